@@ -1,0 +1,268 @@
+"""A Llama-style decoder as pure functions on a params pytree, with an optional QK-Norm.
+
+    params = init_params(cfg, key)                    # one table declares every parameter
+    loss, aux = loss_fn(params, tokens_BT1, cfg)      # aux: ce, z_loss, per-layer max |logit|
+
+Dimension key (used in einsum strings and in the names of non-obvious tensors):
+    B batch, T sequence, D model, F ffw, N query heads, K kv heads, G query heads per kv head,
+    H head dim, V vocab, L layers.
+
+Layers are stacked (every per-layer parameter has a leading L axis) and run with `jax.lax.scan`,
+so compile time does not grow with depth. Parameters are float32; `dtype` sets the compute dtype.
+Shardings come from the logical axes in PARAMS and the one small table LOGICAL_TO_MESH.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import P
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256  # byte-level by default
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2  # grouped-query attention: n_heads must be a multiple
+    d_ff: int = 688  # SwiGLU hidden: ~8/3 * d_model, as Llama
+    rope_theta: float = 10_000.0  # Marin 32B (Llama 3): 500_000
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (what rescued Marin 32B)
+    z_loss_weight: float = 1e-4  # Marin 32B; OLMo 2 uses 1e-5
+    norm_eps: float = 1e-5
+    init_std: float = 0.02  # OLMo 2: N(0, 0.02)
+    dtype: str = "float32"  # compute dtype; "bfloat16" on accelerators (params stay float32)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}: "
+                "pick n_heads that divides d_model"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.n_heads={self.n_heads} is not a multiple of "
+                f"model.n_kv_heads={self.n_kv_heads}: pick n_kv_heads that divides n_heads"
+            )
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"model.dtype must be float32, bfloat16 or float16, got {self.dtype}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+# ---------------------------------------------------------------------------------------------
+# The parameter table: name -> (shape, logical axes, initialiser, weight-decayed?).
+# init_params, the shardings and the weight-decay mask are all derived from it and nowhere else.
+
+def _normal(std):
+    return lambda key, shape: std * jax.random.normal(key, shape, jnp.float32)
+
+
+def _ones(key, shape):
+    return jnp.ones(shape, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]  # logical axis names, one per dimension
+    init: object
+    decay: bool  # weight decay applies to matrices only, never to norms or the embedding
+
+
+def param_table(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    """Every parameter, keyed by its path in the params pytree ("layers/wq")."""
+    L, D, F, V = cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.vocab_size
+    N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    w = _normal(cfg.init_std)
+    table = {
+        "embed": ParamSpec((V, D), ("vocab", "embed"), w, False),
+        "layers/attn_norm": ParamSpec((L, D), ("layers", "embed"), _ones, False),
+        "layers/wq": ParamSpec((L, D, N, H), ("layers", "embed", "heads", "head_dim"), w, True),
+        "layers/wk": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), w, True),
+        "layers/wv": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), w, True),
+        "layers/wo": ParamSpec((L, N, H, D), ("layers", "heads", "head_dim", "embed"), w, True),
+        "layers/mlp_norm": ParamSpec((L, D), ("layers", "embed"), _ones, False),
+        "layers/w_gate": ParamSpec((L, D, F), ("layers", "embed", "ffw"), w, True),
+        "layers/w_up": ParamSpec((L, D, F), ("layers", "embed", "ffw"), w, True),
+        "layers/w_down": ParamSpec((L, F, D), ("layers", "ffw", "embed"), w, True),
+        "final_norm": ParamSpec((D,), ("embed",), _ones, False),
+        "head": ParamSpec((D, V), ("embed", "vocab"), w, True),
+    }
+    if cfg.qk_norm:
+        # One [H] scale per layer shared by all heads (Levanter's Qwen3, which Marin switched to;
+        # per-head norm did slightly better than full-width in Wortsman et al. 2309.14322).
+        table["layers/q_norm"] = ParamSpec((L, H), ("layers", "head_dim"), _ones, False)
+        table["layers/k_norm"] = ParamSpec((L, H), ("layers", "head_dim"), _ones, False)
+    return table
+
+
+# Logical axis -> mesh axis. FSDP: parameters are split over "data" along the embed dimension;
+# tensor parallelism splits heads, ffw and vocab over "model". Change a strategy here, only here.
+LOGICAL_TO_MESH = {
+    "layers": None,
+    "embed": "data",
+    "vocab": "model",
+    "heads": "model",
+    "kv_heads": "model",
+    "ffw": "model",
+    "head_dim": None,
+}
+
+
+def logical_to_spec(axes: tuple[str, ...], gathered: bool = False) -> P:
+    """The PartitionSpec of a parameter; `gathered` drops the FSDP axis (the layout used in
+    compute, after the all-gather that FSDP performs before each use)."""
+    mesh_axes = [LOGICAL_TO_MESH[a] for a in axes]
+    if gathered:
+        mesh_axes = [None if m == "data" else m for m in mesh_axes]
+    return P(*mesh_axes)
+
+
+def _nest(flat: dict) -> dict:
+    out: dict = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split("/")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def param_specs(cfg: ModelConfig, gathered: bool = False) -> dict:
+    """The params pytree's PartitionSpecs."""
+    return _nest({k: logical_to_spec(s.axes, gathered) for k, s in param_table(cfg).items()})
+
+
+def decay_mask(cfg: ModelConfig) -> dict:
+    return _nest({k: s.decay for k, s in param_table(cfg).items()})
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
+    """Fresh parameters. Each is drawn from its own key folded from its name, so adding a
+    parameter (qk_norm) leaves every other parameter's initial value unchanged."""
+    flat = {}
+    for name, spec in param_table(cfg).items():
+        leaf_key = jax.random.fold_in(key, _name_hash(name))
+        flat[name] = spec.init(leaf_key, spec.shape)
+    return _nest(flat)
+
+
+def _name_hash(name: str) -> int:
+    return int.from_bytes(name.encode()[-8:].rjust(8, b"\0"), "little") % (2**31 - 1)
+
+
+def count_params(cfg: ModelConfig) -> int:
+    return sum(math.prod(s.shape) for s in param_table(cfg).values())
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6·N for the matmuls against the weights (N without the
+    embedding lookup, which is a gather), plus 6·L·T·D for causal attention scores and values
+    (12·L·T·D halved by the causal mask), as in Chinchilla / PaLM appendix B."""
+    n = count_params(cfg) - cfg.vocab_size * cfg.d_model
+    return 6 * n + 6 * cfg.n_layers * seq_len * cfg.d_model
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward pass.
+
+def rms_norm(x, scale, eps):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * scale).astype(x.dtype)
+
+
+def rope(x_BTNH, theta: float):
+    """Rotary position embedding, rotate-half layout (Llama)."""
+    T, H = x_BTNH.shape[1], x_BTNH.shape[-1]
+    freq_H2 = theta ** (-jnp.arange(0, H, 2, dtype=jnp.float32) / H)
+    angle_TH2 = jnp.arange(T, dtype=jnp.float32)[:, None] * freq_H2[None, :]
+    cos, sin = jnp.cos(angle_TH2)[None, :, None, :], jnp.sin(angle_TH2)[None, :, None, :]
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNH.dtype)
+
+
+def _gather(p: dict, cfg: ModelConfig, dtype) -> dict:
+    """FSDP all-gather of one layer's (or the top-level) weights, cast to the compute dtype."""
+    specs = {k.split("/")[-1]: logical_to_spec(s.axes[1:] if k.startswith("layers/") else s.axes,
+                                               gathered=True)
+             for k, s in param_table(cfg).items()}
+    return {k: jax.reshard(v, specs[k]).astype(dtype) for k, v in p.items() if k != "layers"}
+
+
+def attention(x_BTD, p, cfg: ModelConfig):
+    """Causal grouped-query attention. Returns the output and the max |attention logit|."""
+    B, T, _ = x_BTD.shape
+    K, H = cfg.n_kv_heads, cfg.head_dim
+    G = cfg.n_heads // K
+    q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, p["wq"], out_sharding=P("data", None, "model"))
+    k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, p["wk"], out_sharding=P("data", None, "model"))
+    v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, p["wv"], out_sharding=P("data", None, "model"))
+    if cfg.qk_norm:  # NOTE: before RoPE, per head over head_dim, as DESIGN.md specifies
+        q_BTNH = rms_norm(q_BTNH, p["q_norm"], cfg.norm_eps)
+        k_BTKH = rms_norm(k_BTKH, p["k_norm"], cfg.norm_eps)
+    q_BTNH, k_BTKH = rope(q_BTNH, cfg.rope_theta), rope(k_BTKH, cfg.rope_theta)
+    q_BTKGH = q_BTNH.reshape(B, T, K, G, H)
+    logits_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BTKH,
+                              out_sharding=P("data", "model")).astype(jnp.float32)
+    logits_BKGTS = logits_BKGTS / math.sqrt(H)
+    logit_max = jnp.max(jnp.abs(logits_BKGTS))  # the quantity that explodes without QK-Norm
+    causal_TS = jnp.tril(jnp.ones((T, T), bool))
+    logits_BKGTS = jnp.where(causal_TS, logits_BKGTS, -1e30)
+    probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(x_BTD.dtype)
+    out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BTKH,
+                           out_sharding=P("data", None, "model"))
+    out_BTNH = out_BTKGH.reshape(B, T, K * G, H)
+    out_BTD = jnp.einsum("btnh,nhd->btd", out_BTNH, p["wo"], out_sharding=P("data"))
+    return out_BTD, logit_max
+
+
+def mlp(x_BTD, p):
+    gate_BTF = jnp.einsum("btd,df->btf", x_BTD, p["w_gate"], out_sharding=P("data", None, "model"))
+    up_BTF = jnp.einsum("btd,df->btf", x_BTD, p["w_up"], out_sharding=P("data", None, "model"))
+    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate_BTF) * up_BTF, p["w_down"],
+                      out_sharding=P("data"))
+
+
+def forward(params: dict, tokens_BT, cfg: ModelConfig):
+    """Logits [B, T, V] (float32) and per-layer statistics {"attn_logit_max": [L]}."""
+    dtype = jnp.dtype(cfg.dtype)
+    top = _gather(params, cfg, dtype)
+    x_BTD = top["embed"].at[tokens_BT].get(out_sharding=P("data"))
+
+    def block(x_BTD, layer_params):
+        p = _gather(layer_params, cfg, dtype)
+        attn_BTD, logit_max = attention(rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps), p, cfg)
+        x_BTD = x_BTD + attn_BTD
+        x_BTD = x_BTD + mlp(rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps), p)
+        return x_BTD, logit_max
+
+    x_BTD, logit_max_L = jax.lax.scan(block, x_BTD, params["layers"])
+    x_BTD = rms_norm(x_BTD, top["final_norm"], cfg.norm_eps)
+    logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, top["head"], out_sharding=P("data", None, None))
+    return logits_BTV.astype(jnp.float32), {"attn_logit_max": logit_max_L}
+
+
+def loss_fn(params: dict, tokens_BT1, cfg: ModelConfig):
+    """Next-token cross-entropy plus z-loss over a [B, T+1] token batch.
+
+    z-loss, weight * logsumexp(logits)**2, keeps the output logits from drifting (PaLM; Marin
+    1e-4, OLMo 2 1e-5). Returns (loss, aux) with aux = {ce, z_loss, attn_logit_max [L]}.
+    """
+    inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+    logits_BTV, stats = forward(params, inputs_BT, cfg)
+    lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    target_logit_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    ce = jnp.mean(lse_BT - target_logit_BT)
+    z_loss = cfg.z_loss_weight * jnp.mean(lse_BT**2)
+    return ce + z_loss, {"ce": ce, "z_loss": z_loss, **stats}

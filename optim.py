@@ -1,0 +1,338 @@
+"""The optimizer: an LR schedule that can re-warm, and an optax chain with the spike machinery.
+
+    tx = make_optimizer(OptimConfig(), total_steps, decay_mask)
+    updates, opt_state = tx.update(grads, opt_state, params, loss=loss)
+
+Order, as in Levanter (which Marin used):
+
+    skip_step(                                   # OLMo 2: take the whole step, or nothing
+      chain(clip_by_global_norm(max_grad_norm),
+            scale_by_adam(b1, b2, eps),          # or Muon for matrices
+            add_decayed_weights(wd, mask),       # no decay on norms, embeddings
+            update clipping,                     # off | rolling norm | per-tensor RMS
+            scale_by_learning_rate(schedule)))
+
+Each piece is an optax transformation someone could drop into their own chain. Everything is
+decided inside jit with `jnp.where`: no host round trip, no recompilation.
+"""
+
+import dataclasses
+import math
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import P
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    lr: float = 3e-3  # peak learning rate (Marin 32B: 7e-4)
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.05  # Marin 32B
+    max_grad_norm: float = 1.0  # Marin tightened 1.0 -> 0.2 at ~56k; 0 turns clipping off
+    warmup_steps: int = 100  # Marin 32B: 10,000
+    decay: Literal["cosine", "linear"] = "cosine"
+    decay_fraction: float = 1.0  # decay over the last fraction of steps (Marin: linear, 0.4)
+    min_lr_ratio: float = 0.1  # decay to this fraction of the peak (Marin, OLMo 2: 0.1)
+    rewarmup_start: int = -1  # first step of a re-warmup; -1 = none (Marin: 80,000)
+    rewarmup_steps: int = 1000  # Marin: 1,000 steps
+    rewarmup_from_ratio: float = 0.1  # re-warm from this fraction of the peak (Marin: 0.1)
+    skip_step: bool = False  # OLMo 2 / Levanter outlier skipping
+    skip_window: int = 128
+    skip_sigma: float = 6.0
+    update_clip: Literal["off", "norm", "rms"] = "off"
+    update_clip_window: int = 128  # rolling update-norm clip (Levanter clip_update_norm)
+    update_clip_sigma: float = 2.0  # Marin used 2.0 (Levanter's default is 3.0)
+    update_rms_threshold: float = 1.0  # per-tensor RMS clip (Levanter update_rms_clipping)
+
+    def __post_init__(self):
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr must be positive, got {self.lr}")
+        for name in ("warmup_steps", "rewarmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"optim.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.decay_fraction <= 1 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError("optim.decay_fraction and optim.min_lr_ratio must lie in [0, 1]")
+        if not 0 <= self.b1 < 1 or not 0 <= self.b2 < 1:
+            raise ValueError(f"optim.b1 and optim.b2 must lie in [0, 1), got {self.b1}, {self.b2}")
+        if self.max_grad_norm < 0 or self.weight_decay < 0:
+            raise ValueError("optim.max_grad_norm and optim.weight_decay must be >= 0")
+        for name in ("skip_window", "update_clip_window"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"optim.{name} must be >= 2, got {getattr(self, name)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedule
+
+def lr_schedule(cfg: OptimConfig, total_steps: int):
+    """Linear warmup -> hold -> decay (cosine or linear) over the last `decay_fraction` of the
+    run to `min_lr_ratio` * peak; then, if `rewarmup_start` >= 0, a re-warmup: from that step,
+    over `rewarmup_steps`, linearly from `rewarmup_from_ratio` * peak up to the base schedule
+    (the peak while it holds, as for Marin's 32B at step 80,000), then the base schedule on.
+    The schedule is a function of the global step, so it advances on skipped steps too."""
+    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    decay_steps = max(int(round(total_steps * cfg.decay_fraction)), 1)
+    decay_start = total_steps - decay_steps
+
+    def schedule(step):
+        s = jnp.asarray(step, jnp.float32)
+        warm = peak * jnp.minimum(1.0, (s + 1) / max(cfg.warmup_steps, 1))
+        frac = jnp.clip((s - decay_start) / decay_steps, 0.0, 1.0)
+        if cfg.decay == "cosine":
+            decayed = floor + (peak - floor) * 0.5 * (1 + jnp.cos(jnp.pi * frac))
+        else:
+            decayed = peak + (floor - peak) * frac
+        base = jnp.where(s < cfg.warmup_steps, warm, decayed)
+        if cfg.rewarmup_start < 0:
+            return base
+        k = max(cfg.rewarmup_steps, 1)
+        t = jnp.clip((s - cfg.rewarmup_start) / k, 0.0, 1.0)
+        lr_from = cfg.rewarmup_from_ratio * peak
+        rewarmed = lr_from + (base - lr_from) * t
+        return jnp.where(s >= cfg.rewarmup_start, rewarmed, base)
+
+    return schedule
+
+
+# ---------------------------------------------------------------------------------------------
+# Rolling statistics shared by skip-step and the update-norm clip: a ring buffer of `window`
+# values and a count of how many were ever recorded.
+
+def _history_threshold(history, count, sigma):
+    """mean + sigma * std of the recorded entries (sample std, ddof=1, as torch.std_mean in
+    OLMo-core); +inf until window // 2 entries are recorded."""
+    window = history.shape[0]
+    n = jnp.minimum(count, window)
+    valid = jnp.arange(window) < n
+    mean = jnp.sum(jnp.where(valid, history, 0.0)) / jnp.maximum(n, 1)
+    var = jnp.sum(jnp.where(valid, (history - mean) ** 2, 0.0)) / jnp.maximum(n - 1, 1)
+    threshold = mean + sigma * jnp.sqrt(var)
+    return jnp.where(count >= window // 2, threshold, jnp.inf)
+
+
+def _record(history, count, value, write):
+    """Write `value` at the ring position if `write`; returns (history, count)."""
+    idx = count % history.shape[0]
+    history = jnp.where(write, history.at[idx].set(value), history)
+    return history, count + write.astype(count.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Skip-step
+
+class SkipStepState(NamedTuple):
+    inner_state: optax.OptState
+    loss_history: jax.Array  # [window]
+    grad_norm_history: jax.Array  # [window], pre-clip global grad norms
+    count: jax.Array  # entries ever recorded
+    # What the last step saw, for the metrics:
+    skipped: jax.Array
+    grad_norm: jax.Array
+    loss_threshold: jax.Array
+    grad_norm_threshold: jax.Array
+
+
+def skip_step(inner: optax.GradientTransformation, window: int = 128, sigma: float = 6.0,
+              enabled: bool = True) -> optax.GradientTransformationExtraArgs:
+    """OLMo-2-style outlier skipping around a whole optimizer (OLMo-core `SkipStepAdamW`,
+    Levanter `skip_bad_steps`).
+
+    Keeps the last `window` losses and pre-clip global grad norms. Once `window // 2` are recorded,
+    a step whose loss or grad norm exceeds mean + sigma * std of that history is skipped: a zero
+    update, and `inner`'s state (Adam moments, Adam count, clip histories) kept exactly as it was.
+    A non-finite loss or grad norm always skips and is never written into the history (the
+    anchors record it, and one NaN then disables the rule for a whole window). With
+    `enabled=False` only the non-finite rule acts: a NaN step is never applied.
+
+    Needs the loss: `tx.update(grads, state, params, loss=loss)`.
+    """
+    def init(params):
+        z = jnp.zeros((window,), jnp.float32)
+        f0 = jnp.zeros((), jnp.float32)
+        return SkipStepState(inner.init(params), z, z, jnp.zeros((), jnp.int32),
+                             jnp.zeros((), jnp.bool_), f0, f0, f0)
+
+    def update(grads, state, params=None, *, loss, **extra):
+        grad_norm = optax.tree.norm(grads)
+        loss = jnp.asarray(loss, jnp.float32)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        loss_thr = _history_threshold(state.loss_history, state.count, sigma)
+        gn_thr = _history_threshold(state.grad_norm_history, state.count, sigma)
+        outlier = (loss > loss_thr) | (grad_norm > gn_thr)
+        skipped = ~finite | (outlier if enabled else False)
+
+        new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra)
+        updates = jax.tree.map(lambda u: jnp.where(skipped, jnp.zeros_like(u), u), new_updates)
+        inner_state = jax.tree.map(lambda new, old: jnp.where(skipped, old, new),
+                                   new_inner, state.inner_state)
+        loss_hist, _ = _record(state.loss_history, state.count, loss, finite)
+        gn_hist, count = _record(state.grad_norm_history, state.count, grad_norm, finite)
+        return updates, SkipStepState(inner_state, loss_hist, gn_hist, count, skipped,
+                                      grad_norm, loss_thr, gn_thr)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+# ---------------------------------------------------------------------------------------------
+# Update clipping. Both kinds (and `track_update_norm`, for "off") share one state that keeps
+# the global update norm before and after, so the metrics read the same fields whatever is on.
+
+class UpdateClipState(NamedTuple):
+    history: jax.Array  # [window] unclipped update norms (unused, size 1, but for "norm")
+    count: jax.Array
+    norm_before: jax.Array
+    norm_after: jax.Array
+    threshold: jax.Array
+
+
+def _clip_state(window: int) -> UpdateClipState:
+    f0 = jnp.zeros((), jnp.float32)
+    return UpdateClipState(jnp.zeros((window,), jnp.float32), jnp.zeros((), jnp.int32),
+                           f0, f0, f0)
+
+
+def track_update_norm() -> optax.GradientTransformation:
+    """No clipping; only records the update norm for the metrics."""
+    def update(updates, state, params=None):
+        norm = optax.tree.norm(updates)
+        return updates, state._replace(norm_before=norm, norm_after=norm,
+                                       threshold=jnp.asarray(jnp.inf))
+    return optax.GradientTransformation(lambda _: _clip_state(1), update)
+
+
+def clip_update_norm(window: int = 128, sigma: float = 2.0) -> optax.GradientTransformation:
+    """Rolling update-norm clip (Levanter `clip_update_norm`; Marin: window 128, sigma 2.0).
+
+    Scales the global update down to mean + sigma * std of the last `window` update norms, once
+    `window // 2` are recorded; the *unclipped* norm goes into the history. Non-finite norms are
+    not recorded."""
+    def update(updates, state, params=None):
+        norm = optax.tree.norm(updates)
+        threshold = _history_threshold(state.history, state.count, sigma)
+        scale = jnp.minimum(1.0, threshold / jnp.maximum(norm, 1e-30))
+        updates = jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates)
+        history, count = _record(state.history, state.count, norm, jnp.isfinite(norm))
+        return updates, UpdateClipState(history, count, norm, norm * scale, threshold)
+    return optax.GradientTransformation(lambda _: _clip_state(window), update)
+
+
+def clip_update_rms(threshold: float = 1.0, stacked=lambda path: False
+                    ) -> optax.GradientTransformation:
+    """Per-tensor update-RMS clip (Levanter `update_rms_clipping`): u / max(1, rms(u) / thr).
+
+    `stacked(path)` says which leaves hold stacked layers along axis 0; for those the RMS is
+    taken per layer, as Levanter does."""
+    def clip(path, u):
+        axes = tuple(range(1, u.ndim)) if stacked(path) and u.ndim > 1 else None
+        rms = jnp.sqrt(jnp.mean(jnp.square(u.astype(jnp.float32)), axis=axes, keepdims=True))
+        return (u / jnp.maximum(1.0, rms / threshold)).astype(u.dtype)
+
+    def update(updates, state, params=None):
+        before = optax.tree.norm(updates)
+        updates = jax.tree_util.tree_map_with_path(clip, updates)
+        return updates, state._replace(norm_before=before, norm_after=optax.tree.norm(updates),
+                                       threshold=jnp.asarray(threshold, jnp.float32))
+    return optax.GradientTransformation(lambda _: _clip_state(1), update)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole optimizer
+
+def is_stacked(path) -> bool:
+    """Leaves under params["layers"] carry a leading layer axis (see model.py)."""
+    return any(getattr(k, "key", None) == "layers" for k in path)
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int, decay_mask
+                   ) -> optax.GradientTransformationExtraArgs:
+    schedule = lr_schedule(cfg, total_steps)
+    if cfg.optimizer == "adamw":
+        direction = optax.scale_by_adam(cfg.b1, cfg.b2, cfg.eps)
+    else:
+        direction = muon_with_adam(cfg, decay_mask)
+    if cfg.update_clip == "norm":
+        update_clip = clip_update_norm(cfg.update_clip_window, cfg.update_clip_sigma)
+    elif cfg.update_clip == "rms":
+        update_clip = clip_update_rms(cfg.update_rms_threshold, stacked=is_stacked)
+    else:
+        update_clip = track_update_norm()
+    grad_clip = (optax.clip_by_global_norm(cfg.max_grad_norm) if cfg.max_grad_norm > 0
+                 else optax.identity())
+    inner = optax.chain(
+        grad_clip,
+        direction,
+        optax.add_decayed_weights(cfg.weight_decay, decay_mask),
+        update_clip,
+        optax.scale_by_learning_rate(schedule),
+    )
+    return skip_step(inner, cfg.skip_window, cfg.skip_sigma, enabled=cfg.skip_step)
+
+
+# Muon: for each weight matrix, which axes it reduces over (input) and which it outputs; axis 0
+# of stacked weights is the layer axis, a batch axis for Muon.
+_MUON_DIMS = {
+    "wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)), "wo": ((1, 2), (3,)),
+    "w_gate": ((1,), (2,)), "w_up": ((1,), (2,)), "w_down": ((1,), (2,)), "head": ((0,), (1,)),
+}
+
+
+def muon_with_adam(cfg: OptimConfig, decay_mask) -> optax.GradientTransformation:
+    """Muon (orthogonalised momentum, Jordan et al. 2024) for the weight matrices, Adam for the
+    rest (norms, embedding). Marin tried it on the 32B: "looked great until it didn't".
+    Muon's update is rescaled by 0.2 * sqrt(max(fan_in, fan_out)) to Adam's typical update RMS
+    (Liu et al. 2025, "Muon is scalable"), so one learning rate serves both."""
+    def dims(tree):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: optax.contrib.MuonDimensionNumbers(*_MUON_DIMS[path[-1].key]), tree)
+
+    def match_adam_rms(updates, state, params=None):
+        def scale(path, u):
+            red, out = _MUON_DIMS[path[-1].key]
+            fan = max(math.prod(u.shape[a] for a in red), math.prod(u.shape[a] for a in out))
+            return u * (0.2 * math.sqrt(fan))
+        return jax.tree_util.tree_map_with_path(scale, updates), state
+
+    labels = jax.tree.map(lambda decayed: "muon" if decayed else "adam", decay_mask)
+    muon = gathered(optax.chain(
+        optax.contrib.scale_by_muon(beta=cfg.b1, eps=cfg.eps, weight_dimension_numbers=dims),
+        optax.GradientTransformation(lambda _: optax.EmptyState(), match_adam_rms)))
+    return optax.partition({"muon": muon, "adam": optax.scale_by_adam(cfg.b1, cfg.b2, cfg.eps)},
+                           labels)
+
+
+def gathered(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Run `inner` on whole (replicated) arrays and hand back the shardings it was given:
+    Muon orthogonalises whole matrices, so under FSDP its input is all-gathered first."""
+    def whole(tree):
+        return jax.tree.map(lambda x: jax.reshard(x, P()), tree)
+
+    def like(tree, ref):
+        return jax.tree.map(lambda x, r: jax.reshard(x, jax.typeof(r).sharding.spec), tree, ref)
+
+    def update(updates, state, params=None):
+        out, new_state = inner.update(whole(updates), whole(state), None)
+        return like(out, updates), like(new_state, state)
+    return optax.GradientTransformation(inner.init, update)
+
+
+def opt_metrics(opt_state: SkipStepState, cfg: OptimConfig) -> dict:
+    """What the optimizer saw on the last step, read from its state (no recomputation)."""
+    clip_state = next(s for s in opt_state.inner_state if isinstance(s, UpdateClipState))
+    grad_norm = opt_state.grad_norm
+    clipped = (jnp.minimum(grad_norm, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else grad_norm)
+    return {
+        "grad_norm": grad_norm,
+        "grad_norm_clipped": clipped,
+        "update_norm": clip_state.norm_before,
+        "update_norm_clipped": clip_state.norm_after,
+        "update_clip_threshold": clip_state.threshold,
+        "skipped": opt_state.skipped.astype(jnp.int32),
+        "skip_loss_threshold": opt_state.loss_threshold,
+        "skip_grad_norm_threshold": opt_state.grad_norm_threshold,
+    }

@@ -1,0 +1,504 @@
+"""The whole suite, on CPU, in minutes: `pytest test_all.py`.
+
+Sharding tests run on 8 simulated CPU devices. Compiled functions are shared across tests where
+they can be (one tiny config, module-level fixtures), since JAX compiles are slow on 2 cores.
+"""
+
+import dataclasses
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+
+import data as D  # noqa: E402
+import model as M  # noqa: E402
+import optim as O  # noqa: E402
+import train as T  # noqa: E402
+
+HERE = pathlib.Path(__file__).parent
+TINY = T.PRESETS["tiny"]
+
+
+def tiny(tmp_path=None, **overrides) -> T.TrainConfig:
+    """The tiny preset, with nested overrides written as "optim.lr"=... keywords."""
+    d = dataclasses.asdict(TINY)
+    if tmp_path is not None:
+        d["run_dir"] = str(tmp_path / "run")
+    for key, value in overrides.items():
+        *parents, leaf = key.split("__")
+        node = d
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return T.config_from_dict(d)
+
+
+def mesh_of(data, model):
+    return T.make_mesh(T.MeshConfig(data, model), jax.devices()[:data * model])
+
+
+def init_sharded(cfg, mesh, tx=None):
+    tx = tx or O.make_optimizer(cfg.optim, cfg.steps, M.decay_mask(cfg.model))
+    target = T.abstract_state(cfg, tx, mesh)
+    shardings = jax.tree.map(lambda s: s.sharding, target)
+    with jax.set_mesh(mesh):
+        state = jax.jit(lambda: T.init_state(cfg, tx), out_shardings=shardings)()
+    return state, tx, target
+
+
+def restore_final(cfg, step):
+    mesh = mesh_of(1, 1)
+    tx = O.make_optimizer(cfg.optim, cfg.steps, M.decay_mask(cfg.model))
+    mngr = T.checkpoint_manager(pathlib.Path(cfg.run_dir), cfg)
+    with jax.set_mesh(mesh):
+        return T.restore_checkpoint(mngr, step, T.abstract_state(cfg, tx, mesh))
+
+
+def assert_trees_equal(a, b):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# model.py
+
+@pytest.fixture(scope="module")
+def tiny_tokens():
+    return np.random.default_rng(0).integers(0, 256, (4, 33)).astype(np.int32)
+
+
+def test_causality(tiny_tokens):
+    """Logits at positions <= t do not depend on tokens after t."""
+    cfg = TINY.model
+    params = M.init_params(cfg, jax.random.key(0))
+    with jax.set_mesh(mesh_of(1, 1)):
+        fwd = jax.jit(lambda p, x: M.forward(p, x, cfg)[0])
+        x = jnp.asarray(tiny_tokens[:, :32])
+        base = fwd(params, x)
+        t = 12
+        changed = x.at[:, t + 1:].set((x[:, t + 1:] + 7) % 256)
+        other = fwd(params, changed)
+    np.testing.assert_array_equal(np.asarray(base[:, :t + 1]), np.asarray(other[:, :t + 1]))
+    assert not np.allclose(base[:, t + 1:], other[:, t + 1:])
+
+
+def test_qk_norm_on_and_off(tiny_tokens):
+    losses, logit_max = {}, {}
+    with jax.set_mesh(mesh_of(1, 1)):
+        for qk in (False, True):
+            cfg = dataclasses.replace(TINY.model, qk_norm=qk, init_std=0.5)
+            params = M.init_params(cfg, jax.random.key(0))
+            loss, aux = jax.jit(lambda p, x, c=cfg: M.loss_fn(p, x, c))(params, tiny_tokens)
+            losses[qk], logit_max[qk] = float(loss), np.asarray(aux["attn_logit_max"])
+    assert all(np.isfinite(v) for v in losses.values())
+    assert losses[True] != losses[False]
+    # With large weights, q.k grows with their norms; QK-Norm bounds each logit by sqrt(H).
+    assert logit_max[True].max() <= np.sqrt(TINY.model.head_dim) + 1e-3
+    assert logit_max[False].max() > 10 * logit_max[True].max()
+
+
+def test_qk_norm_params_declared_once():
+    table = M.param_table(dataclasses.replace(TINY.model, qk_norm=True))
+    assert table["layers/q_norm"].shape == (TINY.model.n_layers, TINY.model.head_dim)
+    assert not table["layers/q_norm"].decay and table["layers/wq"].decay
+    assert not table["embed"].decay
+    # Adding QK-Norm leaves every other parameter's initial value unchanged.
+    a = M.init_params(TINY.model, jax.random.key(0))
+    b = M.init_params(dataclasses.replace(TINY.model, qk_norm=True), jax.random.key(0))
+    np.testing.assert_array_equal(a["layers"]["wq"], b["layers"]["wq"])
+    np.testing.assert_array_equal(b["layers"]["k_norm"], 1.0)
+
+
+def test_flops_and_count():
+    cfg = T.PRESETS["marin-32b"].model
+    assert 31e9 < M.count_params(cfg) < 34e9  # "32B"
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharding: a 4x2 mesh gives the 1x1 result, and every leaf carries its declared sharding.
+
+def run_steps(cfg, mesh, n, tokens):
+    state, tx, _ = init_sharded(cfg, mesh)
+    step = T.make_train_step(cfg, tx)
+    losses = []
+    with jax.set_mesh(mesh):
+        for i in range(n):
+            batch = jax.device_put(tokens[i], jax.NamedSharding(mesh, jax.P("data")))
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+@pytest.fixture(scope="module")
+def sharded_runs():
+    """Every spike tool on, 3 steps on 1x1 and on 4x2."""
+    cfg = tiny(optim__skip_step=True, optim__skip_window=4, optim__update_clip="norm",
+               optim__update_clip_window=4, model__qk_norm=True)
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, max_grad_norm=0.5))
+    tokens = np.random.default_rng(1).integers(0, 256, (3, 8, 33)).astype(np.int32)
+    return cfg, run_steps(cfg, mesh_of(1, 1), 3, tokens), run_steps(cfg, mesh_of(4, 2), 3, tokens)
+
+
+def test_sharded_equals_unsharded(sharded_runs):
+    _, (s1, l1), (s8, l8) = sharded_runs
+    np.testing.assert_allclose(l1, l8, rtol=1e-5)
+    # NOTE: Adam's g / sqrt(v) turns float rounding into O(lr) differences where g is ~0, so
+    # parameters agree to a small fraction of one step (lr 1e-2), not to rounding.
+    for a, b in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s8["params"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-3)
+
+
+def test_every_leaf_has_its_declared_sharding(sharded_runs):
+    cfg, _, (state, _) = sharded_runs
+    table = M.param_table(cfg.model)
+    for name, spec in table.items():
+        leaf = state["params"]
+        for k in name.split("/"):
+            leaf = leaf[k]
+        assert leaf.sharding.spec == M.logical_to_spec(spec.axes), name
+    adam = next(s for s in state["opt_state"].inner_state if isinstance(s, optax.ScaleByAdamState))
+    for moments in (adam.mu, adam.nu):
+        assert moments["layers"]["wq"].sharding.spec == jax.P(None, "data", "model", None)
+        assert moments["head"].sharding.spec == jax.P("data", "model")
+    assert adam.count.sharding.spec == jax.P()
+    # FSDP really splits: a 4x2 shard of wq is 1/8 of it.
+    wq = state["params"]["layers"]["wq"]
+    assert wq.addressable_shards[0].data.size * 8 == wq.size
+
+
+# ---------------------------------------------------------------------------------------------
+# data.py
+
+def test_data_determinism_and_rows():
+    data = D.TokenData(TINY.data)
+    a, b = data.batch(5), data.batch(5)
+    assert a.dtype == np.int32 and a.shape == (8, 33)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, data.batch(6))
+    halves = np.concatenate([data.batch(5, slice(0, 4)), data.batch(5, slice(4, 8))])
+    np.testing.assert_array_equal(halves, a)
+    np.testing.assert_array_equal(data.eval_batch(), data.eval_batch())
+    # the held-out tail never overlaps the training part
+    assert data.train.size + data.held_out.size == D.load_tokens("").size
+
+
+def test_skip_steps_changes_only_those_batches():
+    plain = D.TokenData(TINY.data)
+    skipping = D.TokenData(dataclasses.replace(TINY.data, skip_steps="3:5"))
+    for step in range(7):
+        same = np.array_equal(plain.batch(step), skipping.batch(step))
+        assert same == (step not in (3, 4)), step
+
+
+def test_source_formats(tmp_path):
+    tokens = np.random.default_rng(0).integers(0, 1000, 5000)
+    np.save(tmp_path / "t.npy", tokens.astype(np.int32))
+    tokens.astype("<u2").tofile(tmp_path / "nano.bin")
+    header = np.zeros(256, "<i4")
+    header[:3] = (20240520, 1, tokens.size)
+    (tmp_path / "llmc.bin").write_bytes(header.tobytes() + tokens.astype("<u2").tobytes())
+    header[0] = 20240801
+    (tmp_path / "llama3.bin").write_bytes(header.tobytes() + tokens.astype("<u4").tobytes())
+    for name in ("t.npy", "nano.bin", "llmc.bin", "llama3.bin"):
+        np.testing.assert_array_equal(D.load_tokens(str(tmp_path / name)), tokens, err_msg=name)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "b.txt").write_bytes(b"world")
+    (tmp_path / "docs" / "a.txt").write_bytes(b"hello ")
+    assert D.load_tokens(str(tmp_path / "docs")).tobytes() == b"hello world"
+    assert D.load_tokens(str(tmp_path / "docs" / "a.txt")).tobytes() == b"hello "
+    data = D.TokenData(dataclasses.replace(TINY.data, source=str(tmp_path / "llmc.bin")), 1000)
+    assert data.batch(0).max() < 1000
+
+
+def test_pickled_npy_is_refused(tmp_path):
+    np.save(tmp_path / "p.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(ValueError, match="not a plain .npy"):
+        D.load_tokens(str(tmp_path / "p.npy"))
+
+
+# ---------------------------------------------------------------------------------------------
+# train.py: CLI, bad input, a run that learns, checkpoints and exact resume
+
+def test_cli_presets_and_flags():
+    cfg = T.parse_config([])
+    assert cfg == T.PRESETS["cpu"]
+    cfg = T.parse_config(["tiny", "--optim.lr", "0.02", "--model.qk-norm", "--steps", "7",
+                          "--optim.update-clip", "rms", "--mesh.data", "4"])
+    assert (cfg.optim.lr, cfg.model.qk_norm, cfg.steps) == (0.02, True, 7)
+    assert cfg.optim.update_clip == "rms" and cfg.mesh.data == 4
+    assert cfg.model.d_model == TINY.model.d_model
+    assert T.parse_config(["marin-32b"]).model.n_layers == 64
+
+
+def test_dry_run_marin_32b(capsys):
+    assert T.main(["marin-32b", "--dry-run", "--mesh.data", "256", "--mesh.model", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "parameters" in out and "per device" in out
+    cfg = T.PRESETS["marin-32b"]
+    tx = O.make_optimizer(cfg.optim, cfg.steps, M.decay_mask(cfg.model))
+    total, per_device = T.per_device_bytes(cfg, tx)
+    assert total / 1024 < per_device < total / 1024 * 1.1  # 3 x 4 bytes x 32B, FSDP x TP
+
+
+BAD_INPUTS = [
+    (["--data.source", "/nonexistent/x.txt"], "does not exist"),
+    (["--data.source", "{empty}"], "is empty"),
+    (["--data.source", "{big_ids}"], "outside the vocab"),
+    (["--data.source", "{short}"], "too short"),
+    (["--model.d-model", "66"], "not divisible by model.n_heads"),
+    (["--model.n-kv-heads", "3"], "not a multiple"),
+    (["--mesh.data", "3"], "devices"),
+    (["--mesh.data", "8", "--data.batch-size", "12"], "batch_size=12 is not divisible"),
+    (["--steps", "0"], "--steps must be positive"),
+    (["--optim.lr", "-1"], "optim.lr must be positive"),
+    (["--optim.lr", "0.5"], "optim.lr (run has 0.01, flags give 0.5)"),
+    (["--data.skip-steps", "9:3"], "skip_steps"),
+    (["nosuchpreset"], "unknown preset"),
+    (["--resume-step", "7"], "no checkpoint at step 7"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    (d / "empty.txt").write_bytes(b"")
+    np.save(d / "big.npy", np.arange(300, 5000, dtype=np.int32))
+    (d / "short.txt").write_bytes(b"abc" * 10)
+    existing = d / "existing"
+    existing.mkdir()
+    (existing / "config.json").write_text(json.dumps(dataclasses.asdict(
+        dataclasses.replace(TINY, run_dir=str(existing)))))
+    return {"empty": d / "empty.txt", "big_ids": d / "big.npy", "short": d / "short.txt",
+            "existing": existing}
+
+
+@pytest.mark.parametrize("argv,message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_exits_2_and_writes_nothing(argv, message, bad_files, tmp_path, capsys):
+    argv = [a.format(**{k: str(v) for k, v in bad_files.items()}) for a in argv]
+    uses_existing = any(m in message for m in ("run has", "no checkpoint"))
+    run_dir = bad_files["existing"] if uses_existing else tmp_path / "run"
+    before = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else None
+    preset = [] if argv[0] == "nosuchpreset" else ["tiny"]
+    if "--mesh.data" not in argv and preset:  # the test process has 8 devices
+        preset += ["--mesh.data", "8"]
+    code = T.main(preset + argv + ["--run-dir", str(run_dir)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    after = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else None
+    assert before == after
+
+
+def test_bad_input_from_the_shell(tmp_path):
+    out = subprocess.run([sys.executable, "train.py", "tiny", "--model.n-heads", "5",
+                          "--run-dir", str(tmp_path / "r")], cwd=HERE, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.startswith("error: model.d_model=64")
+    assert "Traceback" not in out.stderr and not (tmp_path / "r").exists()
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    cfg = tiny(tmp_path_factory.mktemp("straight"), steps=6, checkpoint_every=3, eval_every=3)
+    last = T.train(cfg, devices=jax.devices()[:1])
+    return cfg, last
+
+
+def test_short_run_learns(straight_run):
+    cfg, last = straight_run
+    lines = [json.loads(x) for x in (pathlib.Path(cfg.run_dir) / "metrics.jsonl").open()]
+    assert [m["step"] for m in lines] == list(range(6))
+    assert lines[0]["loss"] > 5.3  # ln 256 = 5.55 at init
+    assert last["eval_loss"] < lines[0]["loss"] - 1.0
+    assert len(last["attn_logit_max"]) == cfg.model.n_layers
+
+
+def test_exact_resume_across_restart_and_mesh(straight_run, tmp_path):
+    cfg, _ = straight_run
+    resumed = dataclasses.replace(cfg, run_dir=str(tmp_path / "resumed"))
+    T.train(resumed, devices=jax.devices()[:1])
+    mngr = T.checkpoint_manager(tmp_path / "resumed", resumed)
+    mngr.delete(6)  # as if the process died after the checkpoint at step 3
+    mngr.wait_until_finished()
+    # resume on a different mesh: the checkpoint is resharded on restore
+    on_4x2 = dataclasses.replace(resumed, mesh=T.MeshConfig(4, 2))
+    T.train(on_4x2, devices=jax.devices())
+    a, b = restore_final(cfg, 6), restore_final(resumed, 6)
+    assert int(b["step"]) == 6
+    for x, y in zip(jax.tree.leaves(a["params"]), jax.tree.leaves(b["params"])):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
+
+
+def test_exact_resume_is_bitwise_on_one_mesh(straight_run, tmp_path):
+    cfg, _ = straight_run
+    resumed = dataclasses.replace(cfg, run_dir=str(tmp_path / "r"))
+    T.train(dataclasses.replace(resumed, steps=6), devices=jax.devices()[:1])
+    mngr = T.checkpoint_manager(tmp_path / "r", resumed)
+    mngr.delete(6)
+    mngr.wait_until_finished()
+    T.train(resumed, devices=jax.devices()[:1])
+    assert_trees_equal(restore_final(cfg, 6), restore_final(resumed, 6))
+
+
+# ---------------------------------------------------------------------------------------------
+# optim.py
+
+def numpy_skip_rule(losses, grad_norms, window, sigma):
+    """A plain restatement of the skip-step rule: which steps are skipped."""
+    hist_l, hist_g, skipped = [], [], []
+    for loss, gn in zip(losses, grad_norms):
+        finite = np.isfinite(loss) and np.isfinite(gn)
+        skip = not finite
+        if finite and len(hist_l) >= window // 2:
+            hl, hg = np.array(hist_l[-window:]), np.array(hist_g[-window:])
+            skip = loss > hl.mean() + sigma * hl.std(ddof=1) or \
+                gn > hg.mean() + sigma * hg.std(ddof=1)
+        if finite:
+            hist_l.append(loss)
+            hist_g.append(gn)
+        skipped.append(bool(skip))
+    return skipped
+
+
+def run_skip_step(losses, grad_scales, window=16, sigma=6.0):
+    """Drive skip_step(adam) on a 1-parameter problem with the given losses and grad norms."""
+    tx = O.skip_step(optax.chain(optax.scale_by_adam(), optax.scale(-0.1)), window, sigma)
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    history = []
+    for loss, g in zip(losses, grad_scales):
+        grads = {"w": jnp.full(3, g / np.sqrt(3), jnp.float32)}
+        before = state
+        updates, state = update(grads, state, params, loss=loss)
+        params = optax.apply_updates(params, updates)
+        history.append((before, state, updates, bool(state.skipped)))
+    return history
+
+
+def test_skip_step_matches_numpy_rule():
+    rng = np.random.default_rng(0)
+    n = 40
+    losses = 3 + 0.05 * rng.standard_normal(n)
+    grad_norms = 1 + 0.05 * rng.standard_normal(n)
+    losses[3] = 50.0  # before the history is long enough: must not skip
+    losses[20] = 50.0
+    grad_norms[27] = 40.0
+    history = run_skip_step(losses, grad_norms)
+    skipped = [h[-1] for h in history]
+    # float32 norms of the float32 grads the optimizer saw
+    seen = [float(np.linalg.norm(np.full(3, g / np.sqrt(3), np.float32))) for g in grad_norms]
+    expected = numpy_skip_rule(np.float32(losses), seen, 16, 6.0)
+    assert skipped == expected
+    assert [i for i, s in enumerate(skipped) if s] == [20, 27]
+    before, after, updates, _ = history[20]
+    assert_trees_equal(before.inner_state, after.inner_state)  # moments and count untouched
+    assert float(jnp.abs(updates["w"]).max()) == 0.0
+    assert int(after.inner_state[0].count) == 20  # steps 0..19 applied, 20 skipped
+
+
+def test_skip_step_nan_never_enters_history():
+    losses = [3.0] * 10 + [np.nan] + [3.0] * 2 + [30.0]
+    grads = [1.0] * 10 + [1.0] + [np.nan, 1.0, 1.0]
+    losses = np.array(losses) + 0.01 * np.arange(len(losses))
+    history = run_skip_step(losses, grads, window=8)
+    skipped = [h[-1] for h in history]
+    assert skipped[10] and skipped[11]  # NaN loss; NaN grad
+    assert skipped[13]  # the next finite outlier is still caught
+    assert sum(skipped) == 3
+    after_nan = history[11][1]
+    assert int(after_nan.count) == 10 and np.all(np.isfinite(np.asarray(after_nan.loss_history)))
+    assert_trees_equal(history[10][0].inner_state, history[11][1].inner_state)
+
+
+def test_clip_update_norm_scales_to_threshold():
+    tx = O.clip_update_norm(window=4, sigma=2.0)
+    state = tx.init(None)
+    norms = [1.0, 1.2, 0.8, 1.1, 5.0, 0.9]
+    for i, n in enumerate(norms):
+        u = {"a": jnp.array([n, 0.0]), "b": jnp.zeros(3)}
+        out, new = tx.update(u, state, None)
+        hist = np.array(norms[max(0, i - 4):i])
+        if i >= 2:
+            thr = hist.mean() + 2.0 * hist.std(ddof=1)
+            assert float(new.threshold) == pytest.approx(thr, rel=1e-6)
+            expect = min(n, thr)
+        else:
+            assert np.isinf(float(new.threshold))
+            expect = n
+        assert float(optax.tree.norm(out)) == pytest.approx(expect, rel=1e-6)
+        assert float(new.norm_before) == pytest.approx(n)
+        state = new
+    assert float(np.asarray(state.history)[4 % 4]) == pytest.approx(5.0)  # unclipped recorded
+
+
+def test_clip_update_rms_bounds_each_tensor():
+    tx = O.clip_update_rms(1.0, stacked=O.is_stacked)
+    u = {"small": jnp.full((4,), 0.5), "big": jnp.full((3, 3), 4.0),
+         "layers": {"w": jnp.stack([jnp.full((2, 2), 3.0), jnp.full((2, 2), 0.2)])}}
+    out, _ = tx.update(u, tx.init(None), None)
+    np.testing.assert_array_equal(out["small"], u["small"])  # below threshold: untouched
+    assert float(jnp.sqrt(jnp.mean(out["big"] ** 2))) == pytest.approx(1.0)
+    per_layer = np.sqrt(np.mean(np.asarray(out["layers"]["w"]) ** 2, axis=(1, 2)))
+    np.testing.assert_allclose(per_layer, [1.0, 0.2], rtol=1e-6)  # per layer, not per stack
+
+
+def test_schedule_values():
+    cfg = O.OptimConfig(lr=1.0, warmup_steps=10, decay="linear", decay_fraction=0.5,
+                        min_lr_ratio=0.1)
+    s = O.lr_schedule(cfg, 100)
+    assert float(s(0)) == pytest.approx(0.1) and float(s(9)) == pytest.approx(1.0)
+    assert float(s(30)) == pytest.approx(1.0)  # hold
+    assert float(s(75)) == pytest.approx(0.55)  # halfway down the last 50 steps
+    assert float(s(100)) == pytest.approx(0.1)
+    cos = O.lr_schedule(dataclasses.replace(cfg, decay="cosine", decay_fraction=1.0), 100)
+    assert float(cos(55)) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * 0.55)))
+
+
+def test_marin_rewarmup():
+    cfg = dataclasses.replace(T.PRESETS["marin-32b"].optim, rewarmup_start=80_000,
+                              rewarmup_steps=1000, rewarmup_from_ratio=0.1)
+    s = O.lr_schedule(cfg, 160_000)
+    assert float(s(79_999)) == pytest.approx(7e-4)
+    assert float(s(80_000)) == pytest.approx(7e-5)
+    assert float(s(80_500)) == pytest.approx(7e-5 + 0.5 * (7e-4 - 7e-5))
+    assert float(s(81_000)) == pytest.approx(7e-4)
+    assert float(s(90_000)) == pytest.approx(7e-4)  # then hold (decay starts at 96,000)
+
+
+def test_nan_step_is_skipped_and_schedule_advances(tiny_tokens):
+    """A NaN loss changes no parameter or optimizer state; the LR still follows the step."""
+    cfg = tiny()  # skip_step off: the non-finite rule acts regardless
+    state, tx, _ = init_sharded(cfg, mesh_of(1, 1))
+    step = T.make_train_step(cfg, tx)
+    with jax.set_mesh(mesh_of(1, 1)):
+        state["params"]["final_norm"] = state["params"]["final_norm"] * jnp.nan
+        before = jax.tree.map(np.asarray, state)
+        new, metrics = step(state, jnp.asarray(np.tile(tiny_tokens, (2, 1))))
+        new, metrics2 = step(new, jnp.asarray(np.tile(tiny_tokens, (2, 1))))
+    assert int(metrics["skipped"]) == 1 and int(new["step"]) == 2
+    assert float(metrics2["lr"]) > float(metrics["lr"])  # schedule(1) > schedule(0) in warmup
+    assert_trees_equal(before["opt_state"].inner_state, new["opt_state"].inner_state)
+    np.testing.assert_array_equal(np.asarray(new["params"]["layers"]["wq"]),
+                                  before["params"]["layers"]["wq"])
+
+
+def test_muon_option_trains(tiny_tokens):
+    cfg = tiny(optim__optimizer="muon")
+    state, tx, _ = init_sharded(cfg, mesh_of(1, 1))
+    step = T.make_train_step(cfg, tx)
+    losses = []
+    with jax.set_mesh(mesh_of(1, 1)):
+        for _ in range(5):
+            state, m = step(state, jnp.asarray(np.tile(tiny_tokens, (2, 1))))
+            losses.append(float(m["loss"]))
+    assert np.isfinite(losses).all() and losses[-1] < losses[0] - 0.5
