@@ -502,3 +502,122 @@ def test_muon_option_trains(tiny_tokens):
             state, m = step(state, jnp.asarray(np.tile(tiny_tokens, (2, 1))))
             losses.append(float(m["loss"]))
     assert np.isfinite(losses).all() and losses[-1] < losses[0] - 0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# warmstart.py
+
+import hashlib  # noqa: E402
+
+import warmstart as W  # noqa: E402
+
+
+def tree_hashes(root: pathlib.Path) -> dict:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def leaves_by_key(state) -> dict:
+    return {jax.tree_util.keystr(p): np.asarray(x)
+            for p, x in jax.tree_util.tree_leaves_with_path(state)}
+
+
+@pytest.fixture(scope="module")
+def warm_started(straight_run, tmp_path_factory):
+    """The straight tiny run (1 device, no QK-Norm) converted at step 3 onto a 4x2 mesh."""
+    src_cfg, _ = straight_run
+    src = pathlib.Path(src_cfg.run_dir)
+    before = tree_hashes(src)
+    dst = tmp_path_factory.mktemp("warm") / "new"
+    args = W.WarmStartArgs(source=str(src), to=str(dst), step=3, rewarmup_steps=4,
+                           rewarmup_from_ratio=0.1, no_train=True)
+    cfg = W.convert(args, ["--mesh.data", "4", "--mesh.model", "2", "--steps", "12"],
+                    devices=jax.devices())
+    return src_cfg, cfg, before
+
+
+def test_warmstart_carries_every_leaf(warm_started):
+    src_cfg, cfg, _ = warm_started
+    assert cfg.model.qk_norm and cfg.optim.rewarmup_start == 3 and cfg.steps == 12
+    old = leaves_by_key(restore_final(src_cfg, 3))
+    new = leaves_by_key(restore_final(cfg, 3))
+    added = set(new) - set(old)
+    assert set(old) <= set(new)
+    for key in old:  # params, Adam moments and count, skip/clip histories, step
+        np.testing.assert_array_equal(new[key], old[key], err_msg=key)
+    assert int(new["['step']"]) == 3
+    scales = [k for k in added if k.endswith("['q_norm']") or k.endswith("['k_norm']")]
+    assert len(scales) == len(added) and len(added) == 6  # param, mu, nu for each of q and k
+    for key in scales:
+        expected = 1.0 if key.startswith("['params']") else 0.0
+        np.testing.assert_array_equal(new[key], expected, err_msg=key)
+
+
+def test_warmstart_then_train_rewarms_and_learns(warm_started):
+    src_cfg, cfg, _ = warm_started
+    last = T.train(cfg, devices=jax.devices())  # on the 4x2 mesh it was converted onto
+    lines = [json.loads(x) for x in (pathlib.Path(cfg.run_dir) / "metrics.jsonl").open()]
+    assert [m["step"] for m in lines] == list(range(3, 12))
+    base = O.lr_schedule(src_cfg.optim, 12)  # the source's schedule stretched to 12 steps
+    peak = cfg.optim.lr
+    for m in lines:
+        s = m["step"]
+        t = min((s - 3) / 4, 1.0)
+        expected = 0.1 * peak + (float(base(s)) - 0.1 * peak) * t
+        assert m["lr"] == pytest.approx(expected, rel=1e-5), s
+    assert all(np.isfinite(m["loss"]) for m in lines)
+    assert np.mean([m["loss"] for m in lines[-3:]]) < lines[0]["loss"]
+    assert max(lines[-1]["attn_logit_max"]) <= np.sqrt(cfg.model.head_dim) + 1e-3
+    # ... and back: the 4x2-written checkpoint resumes on one device
+    more = dataclasses.replace(cfg, steps=14, mesh=T.MeshConfig(1, 1))
+    with pytest.raises(T.UserError, match="steps"):  # a longer run is a different config
+        T.train(more, devices=jax.devices()[:1])
+    on_4x2 = restore_final(cfg, 12)
+    one = dataclasses.replace(cfg, mesh=T.MeshConfig(1, 1), resume_step=9)
+    assert T.train(one, devices=jax.devices()[:1])["step"] == 11 == last["step"]
+    for a, b in zip(jax.tree.leaves(on_4x2), jax.tree.leaves(restore_final(cfg, 12))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-3)
+
+
+def test_warmstart_leaves_the_source_untouched(warm_started):
+    src_cfg, _, before = warm_started
+    assert tree_hashes(pathlib.Path(src_cfg.run_dir)) == before
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing", "no config.json"),
+    ("no_checkpoint", "has no checkpoint"),
+    ("has_qk_norm", "already has QK-Norm"),
+    ("dst_not_empty", "exists and is not empty"),
+    ("bad_step", "no checkpoint at step 5; it has [3, 6]"),
+    ("shape_change", "in the source but"),
+])
+def test_warmstart_errors(case, message, straight_run, tmp_path, capsys):
+    src_cfg, _ = straight_run
+    src, dst = src_cfg.run_dir, tmp_path / "dst"
+    extra = ["--mesh.data", "8"]
+    if case == "missing":
+        src = str(tmp_path / "nope")
+    elif case == "no_checkpoint":
+        (tmp_path / "empty").mkdir()
+        (tmp_path / "empty" / "config.json").write_text(
+            (pathlib.Path(src) / "config.json").read_text())
+        src = str(tmp_path / "empty")
+    elif case == "has_qk_norm":
+        d = dataclasses.asdict(src_cfg)
+        d["model"]["qk_norm"] = True
+        (tmp_path / "qk").mkdir()
+        (tmp_path / "qk" / "config.json").write_text(json.dumps(d))
+        src = str(tmp_path / "qk")
+    elif case == "dst_not_empty":
+        dst.mkdir()
+        (dst / "notes.txt").write_text("mine")
+    elif case == "bad_step":
+        extra += ["--step", "5"]
+    elif case == "shape_change":
+        extra += ["--model.d-ff", "256"]
+    before = tree_hashes(tmp_path)
+    code = W.main(["--from", src, "--to", str(dst), "--no-train"] + extra)
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert tree_hashes(tmp_path) == before

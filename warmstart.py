@@ -1,0 +1,189 @@
+"""Insert QK-Norm into a run's checkpoint, keep the optimizer state, re-warm the LR, train on.
+
+    python warmstart.py --from runs/spiky --to runs/rescued
+    python warmstart.py --from runs/spiky --to runs/rescued --step 200 --rewarmup-steps 50 \
+        --optim.max-grad-norm 0.2 --steps 600 --no-train
+
+What Marin did for its 32B at step 80,000: the same model plus QK-Norm, the whole train state
+restored from the old checkpoint (step, Adam moments and count, skip/clip histories), the new norm
+scales at 1 with zero moments, the LR re-warmed from 0.1 x peak to peak over 1,000 steps.
+
+The target config is the source's `config.json` with `model.qk_norm` on, a re-warmup starting at
+the checkpoint's step, and any train.py flag given after these (`--steps`, `--optim.*`,
+`--mesh.*`, `--data.skip-steps A:B`, ...). NEW_RUN gets that config and a checkpoint at the same
+step holding the converted state; training then continues there exactly as a plain resume would.
+The source run directory is only read.
+"""
+
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+from typing import Annotated
+
+import jax
+import tyro
+
+from data import TokenData
+from model import decay_mask
+from optim import lr_schedule, make_optimizer
+from train import (TrainConfig, UserError, abstract_state, checkpoint_manager, check_fits,
+                   config_from_dict, init_state, make_eval_step, make_mesh, make_writable,
+                   parse_flags, restore_checkpoint, save_checkpoint, train)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartArgs:
+    source: Annotated[str, tyro.conf.arg(name="from")]  # run directory to convert (read only)
+    to: str  # new run directory (must not exist, or be empty)
+    step: int | None = None  # checkpoint to convert; default the latest
+    rewarmup_steps: int = 1000  # Marin: 1,000
+    rewarmup_from_ratio: float = 0.1  # Marin: from 0.1 x peak
+    no_train: bool = False  # convert and stop
+
+
+def parse_args(argv: list[str]) -> tuple[WarmStartArgs, list[str]]:
+    try:
+        args, rest = tyro.cli(WarmStartArgs, args=argv, return_unknown_args=True,
+                              description=__doc__)
+    except SystemExit as e:
+        if e.code:
+            raise UserError("usage: warmstart.py --from RUN --to NEW_RUN [--step S] "
+                            "[--rewarmup-steps K] [--rewarmup-from-ratio R] [--no-train] "
+                            "[train.py flags]") from None
+        raise
+    return args, rest
+
+
+def target_config(source: TrainConfig, args: WarmStartArgs, step: int,
+                  overrides: list[str]) -> TrainConfig:
+    """Source config + QK-Norm + re-warmup at `step`, then the user's train.py flags."""
+    optim = dataclasses.replace(source.optim, rewarmup_start=step,
+                                rewarmup_steps=args.rewarmup_steps,
+                                rewarmup_from_ratio=args.rewarmup_from_ratio)
+    default = dataclasses.replace(source, model=dataclasses.replace(source.model, qk_norm=True),
+                                  optim=optim, run_dir=args.to, resume_step=None)
+    return parse_flags(default, overrides)
+
+
+def carry(source_state, fresh_state) -> tuple[dict, list, list, list]:
+    """Fill the target state by key path: every leaf present in both is the source's, leaves
+    only the target has keep their fresh value. Returns (state, carried, new, dropped), the last
+    three as (path, shape) lists. A carried leaf whose shape or dtype differs is a UserError."""
+    src = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(
+        source_state)}
+    carried, new = [], []
+
+    def fill(path, fresh):
+        key = jax.tree_util.keystr(path)
+        if key not in src:
+            new.append((key, fresh.shape))
+            return fresh
+        old = src[key]
+        if old.shape != fresh.shape or old.dtype != fresh.dtype:
+            raise UserError(f"leaf {key} is {old.dtype}{list(old.shape)} in the source but "
+                            f"{fresh.dtype}{list(fresh.shape)} in the target: only added "
+                            "leaves can change; keep the shapes of the source config")
+        carried.append((key, old.shape))
+        return jax.reshard(old, fresh.sharding) if old.sharding != fresh.sharding else old
+
+    state = jax.tree_util.tree_map_with_path(fill, fresh_state)
+    target_keys = {jax.tree_util.keystr(p) for p, _ in
+                   jax.tree_util.tree_leaves_with_path(fresh_state)}
+    dropped = [(k, x.shape) for k, x in src.items() if k not in target_keys]
+    return state, carried, new, dropped
+
+
+def load_source(run: pathlib.Path, step: int | None):
+    """(config, checkpoint manager opened read-only, step) of a source run directory."""
+    if not (run / "config.json").is_file():
+        raise UserError(f"--from {run}: no config.json there; give a train.py run directory")
+    try:
+        cfg = config_from_dict(json.loads((run / "config.json").read_text()))
+    except (ValueError, TypeError) as e:
+        raise UserError(f"--from {run}: config.json is not a spikefix config ({e})") from None
+    if cfg.model.qk_norm:
+        raise UserError(f"--from {run} already has QK-Norm (model.qk_norm is true): nothing to "
+                        "insert; resume it with train.py instead")
+    steps = []
+    if (run / "checkpoints").is_dir():
+        mngr = checkpoint_manager(run, cfg, read_only=True)
+        steps = list(mngr.all_steps())
+    if not steps:
+        raise UserError(f"--from {run} has no checkpoint: train it first")
+    if step is not None and step not in steps:
+        raise UserError(f"--from {run} has no checkpoint at step {step}; it has {steps}")
+    return cfg, mngr, step if step is not None else max(steps)
+
+
+def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> TrainConfig:
+    """Write NEW_RUN with the converted checkpoint; print what happened. Returns its config."""
+    t0 = time.perf_counter()
+    src_run, dst_run = pathlib.Path(args.source), pathlib.Path(args.to)
+    if dst_run.exists() and (not dst_run.is_dir() or any(dst_run.iterdir())):
+        raise UserError(f"--to {dst_run} exists and is not empty: choose a new directory")
+    src_cfg, src_mngr, step = load_source(src_run, args.step)
+    cfg = target_config(src_cfg, args, step, overrides)
+    devices = devices or jax.devices()
+    check_fits(cfg, len(devices))
+    if not cfg.model.qk_norm:
+        raise UserError("warmstart.py inserts QK-Norm: do not pass --model.no-qk-norm")
+    mesh = make_mesh(cfg.mesh, devices)
+    # The source state is restored straight onto the target mesh, whatever mesh wrote it.
+    src_on_mesh = dataclasses.replace(src_cfg, mesh=cfg.mesh)
+    src_tx = make_optimizer(src_cfg.optim, src_cfg.steps, decay_mask(src_cfg.model))
+    tx = make_optimizer(cfg.optim, cfg.steps, decay_mask(cfg.model))
+    try:
+        held_out = TokenData(cfg.data, cfg.model.vocab_size).eval_batch()
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+    with jax.set_mesh(mesh):
+        try:
+            source = restore_checkpoint(src_mngr, step, abstract_state(src_on_mesh, src_tx, mesh))
+        except Exception as e:
+            raise UserError(f"checkpoint at step {step} in {src_run} is unreadable "
+                            f"({type(e).__name__}); pick another with --step") from None
+        target = abstract_state(cfg, tx, mesh)
+        fresh = jax.jit(lambda: init_state(cfg, tx),
+                        out_shardings=jax.tree.map(lambda s: s.sharding, target))()
+        state, carried, new, dropped = carry(source, fresh)
+        tokens = jax.device_put(held_out, jax.NamedSharding(mesh, jax.P("data")))
+        loss_before = float(make_eval_step(src_on_mesh)(source["params"], tokens))
+        loss_after = float(make_eval_step(cfg)(state["params"], tokens))
+        make_writable(dst_run, cfg)
+        mngr = checkpoint_manager(dst_run, cfg)
+        save_checkpoint(mngr, step, state, cfg)
+        mngr.wait_until_finished()
+
+    print(f"{'leaf':<64} {'shape':<20} status")
+    for rows, status in ((carried, "carried"), (new, "NEW"), (dropped, "dropped")):
+        for key, shape in rows:
+            print(f"{key:<64} {str(list(shape)):<20} {status}")
+    lr_before = float(lr_schedule(src_cfg.optim, src_cfg.steps)(step))
+    lr_after = float(lr_schedule(cfg.optim, cfg.steps)(step))
+    print(f"\n{len(carried)} leaves carried, {len(new)} new, {len(dropped)} dropped; step {step}")
+    print(f"LR at step {step}: {lr_before:.3e} before, {lr_after:.3e} after (re-warmup to peak "
+          f"over {cfg.optim.rewarmup_steps} steps)")
+    print(f"held-out loss: {loss_before:.4f} before, {loss_after:.4f} with QK-Norm inserted "
+          f"({loss_after - loss_before:+.4f})")
+    print(f"wrote {dst_run} in {time.perf_counter() - t0:.1f}s")
+    return cfg
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args, overrides = parse_args(argv)
+        cfg = convert(args, overrides)
+        if not args.no_train:
+            last = train(cfg)
+            print(f"done: step {last['step'] + 1}, held-out loss {last['eval_loss']:.4f}")
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
