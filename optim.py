@@ -321,8 +321,11 @@ def gathered(inner: optax.GradientTransformation) -> optax.GradientTransformatio
     return optax.GradientTransformation(inner.init, update)
 
 
-def opt_metrics(opt_state: SkipStepState, cfg: OptimConfig) -> dict:
-    """What the optimizer saw on the last step, read from its state (no recomputation)."""
+def opt_metrics(opt_state, cfg: OptimConfig) -> dict:
+    """What the optimizer saw on the last step, read from its state (no recomputation);
+    nothing for an optimizer built elsewhere."""
+    if not isinstance(opt_state, SkipStepState):
+        return {}
     clip_state = next(s for s in opt_state.inner_state if isinstance(s, UpdateClipState))
     grad_norm = opt_state.grad_norm
     clipped = (jnp.minimum(grad_norm, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else grad_norm)

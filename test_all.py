@@ -621,3 +621,41 @@ def test_warmstart_errors(case, message, straight_run, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1, err
     assert tree_hashes(tmp_path) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Stopping: signals and runs of non-finite steps
+
+def test_sigterm_saves_a_checkpoint_and_says_where(tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-u", "train.py", "tiny", "--steps", "100000", "--log-every", "1",
+           "--checkpoint-every", "100000", "--run-dir", str(run)]
+    proc = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step") and " 3/" in line:
+                proc.terminate()  # SIGTERM, as a preemption sends
+                break
+        out = proc.stdout.read()
+        assert proc.wait(timeout=60) == 128 + 15
+    finally:
+        proc.kill()
+    saved = int(out.split("saved step ")[1].split()[0])
+    assert saved >= 4 and "resume with the same command" in out
+    assert [p.name for p in (run / "checkpoints").iterdir()] == [str(saved)]
+    cfg = dataclasses.replace(TINY, run_dir=str(run), steps=100000, log_every=1,
+                              checkpoint_every=100000)
+    assert int(restore_final(cfg, saved)["step"]) == saved
+
+
+def test_stops_after_consecutive_non_finite_steps(tmp_path, capsys):
+    # An absurd LR: the first step is applied, its parameters overflow the next forward pass,
+    # and every step after that is non-finite (and skipped).
+    cfg = tiny(tmp_path, optim__lr=1e30, max_consecutive_skips=3, steps=20, checkpoint_every=1)
+    with pytest.raises(SystemExit) as stop:
+        T.train(cfg, devices=jax.devices()[:1])
+    assert stop.value.code == 1
+    assert "3 non-finite steps in a row" in capsys.readouterr().err
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert len(lines) < 8 and all(m["skipped"] for m in lines[-3:])

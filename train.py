@@ -410,12 +410,13 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir) -> dict:
     stop = StopRequested()
     log = open(run_dir / "metrics.jsonl", "a") if jax.process_index() == 0 else None
     start = int(state["step"])
-    prev, last, consecutive_skips = None, {}, 0
+    prev, last, consecutive_skips, t_first = None, {}, 0, None
     t_start = t_prev = time.perf_counter()
 
     def record(step, metrics):  # called with step s-1's metrics after step s is dispatched
-        nonlocal t_prev, consecutive_skips
+        nonlocal t_prev, consecutive_skips, t_first
         now = time.perf_counter()
+        t_first = t_first or now  # throughput is averaged from here: the compile is excluded
         m = {"step": step, **to_host(metrics), "tokens_per_s": tokens_per_step / (now - t_prev)}
         t_prev = now
         if log:
@@ -453,6 +454,8 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir) -> dict:
             break
     if prev is not None:
         last = record(*prev)
+        if last["step"] > start:
+            last["avg_tokens_per_s"] = tokens_per_step * (last["step"] - start) / (t_prev - t_first)
     mngr.wait_until_finished()
     if stop.signal:
         print(f"saved step {prev[0] + 1} to {run_dir}; resume with the same command")
@@ -477,7 +480,7 @@ def main(argv: list[str]) -> int:
         return 2
     if last:
         print(f"done: step {last['step'] + 1}, held-out loss {last['eval_loss']:.4f} "
-              f"nats/token, {last['tokens_per_s']:.0f} tokens/s")
+              f"nats/token, {last.get('avg_tokens_per_s', 0):.0f} tokens/s on average")
     return 0
 
 
