@@ -202,7 +202,7 @@ def track_update_norm() -> optax.GradientTransformation:
     def update(updates, state, params=None):
         norm = optax.tree.norm(updates)
         return updates, state._replace(norm_before=norm, norm_after=norm,
-                                       threshold=jnp.asarray(jnp.inf))
+                                       threshold=jnp.asarray(jnp.inf, jnp.float32))
     return optax.GradientTransformation(lambda _: _clip_state(1), update)
 
 
