@@ -46,8 +46,7 @@ def count_compile(event: str, duration_secs: float, **kwargs):
 def step_timer(cfg, tx, mesh, tokens):
     """A function that times n steps (seconds per step), after one compiling step."""
     target = T.abstract_state(cfg, tx, mesh)
-    state = jax.jit(lambda: T.init_state(cfg, tx),
-                    out_shardings=jax.tree.map(lambda s: s.sharding, target))()
+    state = T.fresh_state(cfg, tx, target)
     step = T.make_train_step(cfg, tx)
     state, m = step(state, tokens)
     jax.block_until_ready(m)
@@ -101,8 +100,7 @@ def bench_warmstart(cfg, repeats=3):
         tx = O.make_optimizer(src.optim, src.steps, M.decay_mask(src.model))
         target = T.abstract_state(src, tx, mesh)
         with jax.set_mesh(mesh):
-            state = jax.jit(lambda: T.init_state(src, tx),
-                            out_shardings=jax.tree.map(lambda s: s.sharding, target))()
+            state = T.fresh_state(src, tx, target)
             T.make_writable(tmp / "src", src)
             mngr = T.checkpoint_manager(tmp / "src", src)
             T.save_checkpoint(mngr, 100, state, src)

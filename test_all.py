@@ -49,9 +49,8 @@ def mesh_of(data, model):
 def init_sharded(cfg, mesh, tx=None):
     tx = tx or O.make_optimizer(cfg.optim, cfg.steps, M.decay_mask(cfg.model))
     target = T.abstract_state(cfg, tx, mesh)
-    shardings = jax.tree.map(lambda s: s.sharding, target)
     with jax.set_mesh(mesh):
-        state = jax.jit(lambda: T.init_state(cfg, tx), out_shardings=shardings)()
+        state = T.fresh_state(cfg, tx, target)
     return state, tx, target
 
 

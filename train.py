@@ -197,6 +197,12 @@ def abstract_state(cfg: TrainConfig, tx, mesh) -> dict:
                         shapes, specs)
 
 
+def fresh_state(cfg: TrainConfig, tx, target) -> dict:
+    """A new train state, created directly in the shardings `target` (abstract_state) carries."""
+    shardings = jax.tree.map(lambda s: s.sharding, target)
+    return jax.jit(lambda: init_state(cfg, tx), out_shardings=shardings)()
+
+
 def per_device_bytes(cfg: TrainConfig, tx) -> tuple[int, int]:
     """(total, per-device) bytes of params + optimizer state for cfg.mesh, by arithmetic on the
     shapes and specs: needs neither the devices nor the memory."""
@@ -387,8 +393,7 @@ def train(cfg: TrainConfig, devices=None) -> dict:
                 print(f"moved the later checkpoints {later} aside to {aside}")
                 mngr = checkpoint_manager(run_dir, cfg)
         else:
-            shardings = jax.tree.map(lambda s: s.sharding, target)
-            state = jax.jit(lambda: init_state(cfg, tx), out_shardings=shardings)()
+            state = fresh_state(cfg, tx, target)
             n = count_params(cfg.model)
             print(f"new run {run_dir}: {n / 1e6:.2f}M params, {cfg.steps} steps, "
                   f"mesh {cfg.mesh.data}x{cfg.mesh.model}, {data.train.size:,} training tokens")

@@ -29,7 +29,7 @@ from data import TokenData
 from model import decay_mask
 from optim import lr_schedule, make_optimizer
 from train import (TrainConfig, UserError, abstract_state, checkpoint_manager, check_fits,
-                   config_from_dict, init_state, make_eval_step, make_mesh, make_writable,
+                   config_from_dict, fresh_state, make_eval_step, make_mesh, make_writable,
                    parse_flags, restore_checkpoint, save_checkpoint, train)
 
 
@@ -67,7 +67,7 @@ def target_config(source: TrainConfig, args: WarmStartArgs, step: int,
     return parse_flags(default, overrides)
 
 
-def carry(source_state, fresh_state) -> tuple[dict, list, list, list]:
+def carry(source_state, fresh) -> tuple[dict, list, list, list]:
     """Fill the target state by key path: every leaf present in both is the source's, leaves
     only the target has keep their fresh value. Returns (state, carried, new, dropped), the last
     three as (path, shape) lists. A carried leaf whose shape or dtype differs is a UserError."""
@@ -88,9 +88,9 @@ def carry(source_state, fresh_state) -> tuple[dict, list, list, list]:
         carried.append((key, old.shape))
         return jax.reshard(old, fresh.sharding) if old.sharding != fresh.sharding else old
 
-    state = jax.tree_util.tree_map_with_path(fill, fresh_state)
+    state = jax.tree_util.tree_map_with_path(fill, fresh)
     target_keys = {jax.tree_util.keystr(p) for p, _ in
-                   jax.tree_util.tree_leaves_with_path(fresh_state)}
+                   jax.tree_util.tree_leaves_with_path(fresh)}
     dropped = [(k, x.shape) for k, x in src.items() if k not in target_keys]
     return state, carried, new, dropped
 
@@ -146,8 +146,7 @@ def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> TrainCon
             raise UserError(f"checkpoint at step {step} in {src_run} is unreadable "
                             f"({type(e).__name__}); pick another with --step") from None
         target = abstract_state(cfg, tx, mesh)
-        fresh = jax.jit(lambda: init_state(cfg, tx),
-                        out_shardings=jax.tree.map(lambda s: s.sharding, target))()
+        fresh = fresh_state(cfg, tx, target)
         state, carried, new, dropped = carry(source, fresh)
         tokens = jax.device_put(held_out, jax.NamedSharding(mesh, jax.P("data")))
         loss_before = float(make_eval_step(src_on_mesh)(source["params"], tokens))
