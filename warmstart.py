@@ -29,7 +29,7 @@ from data import TokenData
 from model import decay_mask
 from optim import lr_schedule, make_optimizer
 from train import (TrainConfig, UserError, abstract_state, checkpoint_manager, check_fits,
-                   config_from_dict, fresh_state, make_eval_step, make_mesh, make_writable,
+                   config_from_dict, init_state, make_eval_step, make_mesh, make_writable,
                    parse_flags, restore_checkpoint, save_checkpoint, train)
 
 
@@ -67,32 +67,49 @@ def target_config(source: TrainConfig, args: WarmStartArgs, step: int,
     return parse_flags(default, overrides)
 
 
-def carry(source_state, fresh) -> tuple[dict, list, list, list]:
+def carry(source_state, target, init_new) -> tuple[dict, list, list, list]:
     """Fill the target state by key path: every leaf present in both is the source's, leaves
-    only the target has keep their fresh value. Returns (state, carried, new, dropped), the last
-    three as (path, shape) lists. A carried leaf whose shape or dtype differs is a UserError."""
-    src = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(
-        source_state)}
-    carried, new = [], []
-
-    def fill(path, fresh):
-        key = jax.tree_util.keystr(path)
-        if key not in src:
-            new.append((key, fresh.shape))
-            return fresh
-        old = src[key]
-        if old.shape != fresh.shape or old.dtype != fresh.dtype:
-            raise UserError(f"leaf {key} is {old.dtype}{list(old.shape)} in the source but "
-                            f"{fresh.dtype}{list(fresh.shape)} in the target: only added "
+    only the target has take their fresh values from `init_new(keys)`. `target` is the
+    target's abstract state (shapes, dtypes, shardings). Returns (state, carried, new,
+    dropped), the last three as (path, shape) lists. A carried leaf whose shape or dtype
+    differs is a UserError."""
+    key = jax.tree_util.keystr
+    src = {key(p): x for p, x in jax.tree_util.tree_leaves_with_path(source_state)}
+    want = {key(p): x for p, x in jax.tree_util.tree_leaves_with_path(target)}
+    for k, old in src.items():
+        if k in want and (old.shape != want[k].shape or old.dtype != want[k].dtype):
+            raise UserError(f"leaf {k} is {old.dtype}{list(old.shape)} in the source but "
+                            f"{want[k].dtype}{list(want[k].shape)} in the target: only added "
                             "leaves can change; keep the shapes of the source config")
-        carried.append((key, old.shape))
-        return jax.reshard(old, fresh.sharding) if old.sharding != fresh.sharding else old
+    fresh = init_new([k for k in want if k not in src])
 
-    state = jax.tree_util.tree_map_with_path(fill, fresh)
-    target_keys = {jax.tree_util.keystr(p) for p, _ in
-                   jax.tree_util.tree_leaves_with_path(fresh)}
-    dropped = [(k, x.shape) for k, x in src.items() if k not in target_keys]
+    def fill(path, t):
+        if key(path) in fresh:
+            return fresh[key(path)]
+        old = src[key(path)]
+        return jax.reshard(old, t.sharding) if old.sharding != t.sharding else old
+
+    state = jax.tree_util.tree_map_with_path(fill, target)
+    carried = [(k, x.shape) for k, x in want.items() if k in src]
+    new = [(k, x.shape) for k, x in want.items() if k not in src]
+    dropped = [(k, x.shape) for k, x in src.items() if k not in want]
     return state, carried, new, dropped
+
+
+def init_new_leaves(cfg: TrainConfig, tx, target):
+    """`keys -> {key: fresh value}` for some leaves of a new train state, computed alone (XLA
+    drops the rest of the init) and placed in the shardings `target` carries."""
+    def init_new(keys):
+        if not keys:
+            return {}
+        shardings = {jax.tree_util.keystr(p): x.sharding
+                     for p, x in jax.tree_util.tree_leaves_with_path(target)}
+
+        def init():
+            leaves = jax.tree_util.tree_leaves_with_path(init_state(cfg, tx))
+            return {k: x for p, x in leaves if (k := jax.tree_util.keystr(p)) in keys}
+        return jax.jit(init, out_shardings={k: shardings[k] for k in keys})()
+    return init_new
 
 
 def load_source(run: pathlib.Path, step: int | None):
@@ -117,9 +134,30 @@ def load_source(run: pathlib.Path, step: int | None):
     return cfg, mngr, step if step is not None else max(steps)
 
 
+def convert_checkpoint(src_mngr, step: int, src_cfg: TrainConfig, cfg: TrainConfig, mesh,
+                       dst_run: pathlib.Path):
+    """The surgery: restore the source state onto `mesh`, carry it into cfg's state, save it to
+    dst_run at the same step. Returns (source state, converted state, carried, new, dropped)."""
+    # The source state is restored straight onto the target mesh, whatever mesh wrote it.
+    src_on_mesh = dataclasses.replace(src_cfg, mesh=cfg.mesh)
+    src_tx = make_optimizer(src_cfg.optim, src_cfg.steps, decay_mask(src_cfg.model))
+    tx = make_optimizer(cfg.optim, cfg.steps, decay_mask(cfg.model))
+    try:
+        source = restore_checkpoint(src_mngr, step, abstract_state(src_on_mesh, src_tx, mesh))
+    except Exception as e:
+        raise UserError(f"checkpoint at step {step} in {src_mngr.directory.parent} is unreadable "
+                        f"({type(e).__name__}); pick another with --step") from None
+    target = abstract_state(cfg, tx, mesh)
+    state, carried, new, dropped = carry(source, target, init_new_leaves(cfg, tx, target))
+    make_writable(dst_run, cfg)
+    mngr = checkpoint_manager(dst_run, cfg)
+    save_checkpoint(mngr, step, state, cfg)
+    mngr.wait_until_finished()
+    return source, state, carried, new, dropped
+
+
 def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> TrainConfig:
     """Write NEW_RUN with the converted checkpoint; print what happened. Returns its config."""
-    t0 = time.perf_counter()
     src_run, dst_run = pathlib.Path(args.source), pathlib.Path(args.to)
     if dst_run.exists() and (not dst_run.is_dir() or any(dst_run.iterdir())):
         raise UserError(f"--to {dst_run} exists and is not empty: choose a new directory")
@@ -129,32 +167,20 @@ def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> TrainCon
     check_fits(cfg, len(devices))
     if not cfg.model.qk_norm:
         raise UserError("warmstart.py inserts QK-Norm: do not pass --model.no-qk-norm")
-    mesh = make_mesh(cfg.mesh, devices)
-    # The source state is restored straight onto the target mesh, whatever mesh wrote it.
-    src_on_mesh = dataclasses.replace(src_cfg, mesh=cfg.mesh)
-    src_tx = make_optimizer(src_cfg.optim, src_cfg.steps, decay_mask(src_cfg.model))
-    tx = make_optimizer(cfg.optim, cfg.steps, decay_mask(cfg.model))
     try:
         held_out = TokenData(cfg.data, cfg.model.vocab_size).eval_batch()
     except ValueError as e:
         raise UserError(str(e)) from None
-
+    mesh = make_mesh(cfg.mesh, devices)
     with jax.set_mesh(mesh):
-        try:
-            source = restore_checkpoint(src_mngr, step, abstract_state(src_on_mesh, src_tx, mesh))
-        except Exception as e:
-            raise UserError(f"checkpoint at step {step} in {src_run} is unreadable "
-                            f"({type(e).__name__}); pick another with --step") from None
-        target = abstract_state(cfg, tx, mesh)
-        fresh = fresh_state(cfg, tx, target)
-        state, carried, new, dropped = carry(source, fresh)
+        t0 = time.perf_counter()
+        source, state, carried, new, dropped = convert_checkpoint(src_mngr, step, src_cfg, cfg,
+                                                                  mesh, dst_run)
+        seconds = time.perf_counter() - t0
         tokens = jax.device_put(held_out, jax.NamedSharding(mesh, jax.P("data")))
+        src_on_mesh = dataclasses.replace(src_cfg, mesh=cfg.mesh)
         loss_before = float(make_eval_step(src_on_mesh)(source["params"], tokens))
         loss_after = float(make_eval_step(cfg)(state["params"], tokens))
-        make_writable(dst_run, cfg)
-        mngr = checkpoint_manager(dst_run, cfg)
-        save_checkpoint(mngr, step, state, cfg)
-        mngr.wait_until_finished()
 
     print(f"{'leaf':<64} {'shape':<20} status")
     for rows, status in ((carried, "carried"), (new, "NEW"), (dropped, "dropped")):
@@ -167,7 +193,7 @@ def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> TrainCon
           f"over {cfg.optim.rewarmup_steps} steps)")
     print(f"held-out loss: {loss_before:.4f} before, {loss_after:.4f} with QK-Norm inserted "
           f"({loss_after - loss_before:+.4f})")
-    print(f"wrote {dst_run} in {time.perf_counter() - t0:.1f}s")
+    print(f"wrote {dst_run} (restore, carry, save: {seconds:.2f}s)")
     return cfg
 
 
