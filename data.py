@@ -34,25 +34,32 @@ class DataConfig:
     seed: int = 0
     held_out_fraction: float = 0.01  # the tail of the token stream, never trained on
     skip_steps: str = ""  # "A:B": steps A..B-1 train on other batches (Marin tried this)
+    # "A:B[,C:D...]": steps A..B-1 train on rows that repeat one short n-gram: the gradients
+    # shrink, Adam's second moment decays, and the first normal batch after it gets an outsized
+    # update -- a loss spike on demand (the stale-second-moment mechanism, Wortsman et al.)
+    poison_steps: str = ""
 
     def __post_init__(self):
         if self.seq_len <= 0 or self.batch_size <= 0:
             raise ValueError("data.seq_len and data.batch_size must be positive")
         if not 0 < self.held_out_fraction < 1:
             raise ValueError("data.held_out_fraction must lie in (0, 1)")
-        parse_skip_steps(self.skip_steps)
+        parse_steps(self.skip_steps, "skip_steps")
+        parse_steps(self.poison_steps, "poison_steps")
 
 
-def parse_skip_steps(spec: str) -> range:
-    if not spec:
-        return range(0)
-    try:
-        a, b = (int(x) for x in spec.split(":"))
-    except ValueError:
-        raise ValueError(f"data.skip_steps must look like A:B (e.g. 1200:1300), got {spec!r}")
-    if not 0 <= a < b:
-        raise ValueError(f"data.skip_steps A:B needs 0 <= A < B, got {spec!r}")
-    return range(a, b)
+def parse_steps(spec: str, name: str) -> set[int]:
+    """"A:B,C:D" -> the steps A..B-1 and C..D-1."""
+    steps = set()
+    for part in filter(None, spec.split(",")):
+        try:
+            a, b = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise ValueError(f"data.{name} must look like A:B (e.g. 1200:1300), got {spec!r}")
+        if not 0 <= a < b:
+            raise ValueError(f"data.{name} A:B needs 0 <= A < B, got {spec!r}")
+        steps.update(range(a, b))
+    return steps
 
 
 def stdlib_files() -> list[pathlib.Path]:
@@ -128,7 +135,8 @@ class TokenData:
                              f"sequence of {self.window} plus a held-out slice of {n_held_out}; "
                              "use more data or a smaller --data.seq-len")
         self.train, self.held_out = tokens[:-n_held_out], tokens[-n_held_out:]
-        self.skip = parse_skip_steps(cfg.skip_steps)
+        self.skip = parse_steps(cfg.skip_steps, "skip_steps")
+        self.poison = parse_steps(cfg.poison_steps, "poison_steps")
 
     def _rows(self, tokens, starts, rows: slice):
         starts = starts[rows]
@@ -140,6 +148,10 @@ class TokenData:
         stream = 1 if step in self.skip else 0  # skipped steps draw from another stream
         rng = np.random.default_rng([self.cfg.seed, step, stream])
         starts = rng.integers(0, self.train.size - self.window + 1, size=self.cfg.batch_size)
+        if step in self.poison:  # each row: an n-gram of 1..8 tokens from its window, repeated
+            lengths = rng.integers(1, 9, size=self.cfg.batch_size)
+            return np.stack([np.resize(np.asarray(self.train[s:s + n]), self.window)
+                             for s, n in zip(starts[rows], lengths[rows])]).astype(np.int32)
         return self._rows(self.train, starts, rows)
 
     def eval_batch(self, rows: slice = slice(None)) -> np.ndarray:

@@ -5,6 +5,7 @@ they can be (one tiny config, module-level fixtures), since JAX compiles are slo
 """
 
 import dataclasses
+import hashlib
 import json
 import pathlib
 import subprocess
@@ -22,7 +23,9 @@ import pytest  # noqa: E402
 import data as D  # noqa: E402
 import model as M  # noqa: E402
 import optim as O  # noqa: E402
+import report as R  # noqa: E402
 import train as T  # noqa: E402
+import warmstart as W  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 TINY = T.PRESETS["tiny"]
@@ -60,6 +63,11 @@ def restore_final(cfg, step):
     mngr = T.checkpoint_manager(pathlib.Path(cfg.run_dir), cfg)
     with jax.set_mesh(mesh):
         return T.restore_checkpoint(mngr, step, T.abstract_state(cfg, tx, mesh))
+
+
+def tree_hashes(root: pathlib.Path) -> dict:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def assert_trees_equal(a, b):
@@ -248,21 +256,41 @@ def test_dry_run_marin_32b(capsys):
     assert total / 1024 < per_device < total / 1024 * 1.1  # 3 x 4 bytes x 32B, FSDP x TP
 
 
+# (command, argv, what the one-line error must say). {run} is a fresh run directory, {existing}
+# a tiny run's directory with a config.json, other {names} are files from `bad_files`. Every case
+# must exit 2 with one line and leave every file in sight unchanged.
 BAD_INPUTS = [
-    (["--data.source", "/nonexistent/x.txt"], "does not exist"),
-    (["--data.source", "{empty}"], "is empty"),
-    (["--data.source", "{big_ids}"], "outside the vocab"),
-    (["--data.source", "{short}"], "too short"),
-    (["--model.d-model", "66"], "not divisible by model.n_heads"),
-    (["--model.n-kv-heads", "3"], "not a multiple"),
-    (["--mesh.data", "3"], "devices"),
-    (["--mesh.data", "8", "--data.batch-size", "12"], "batch_size=12 is not divisible"),
-    (["--steps", "0"], "--steps must be positive"),
-    (["--optim.lr", "-1"], "optim.lr must be positive"),
-    (["--optim.lr", "0.5"], "optim.lr (run has 0.01, flags give 0.5)"),
-    (["--data.skip-steps", "9:3"], "skip_steps"),
-    (["nosuchpreset"], "unknown preset"),
-    (["--resume-step", "7"], "no checkpoint at step 7"),
+    ("train", ["--data.source", "/nonexistent/x.txt"], "does not exist"),
+    ("train", ["--data.source", "{empty}"], "is empty"),
+    ("train", ["--data.source", "{big_ids}"], "outside the vocab"),
+    ("train", ["--data.source", "{short}"], "too short"),
+    ("train", ["--data.source", "{pickled}"], "not a plain .npy token array"),
+    ("train", ["--data.source", "{floats}"], "expected a 1-D integer token array"),
+    ("train", ["--data.source", "{truncated_llmc}"], "file truncated?"),
+    ("train", ["--data.source", "{odd_bin}"], "size 7 is odd"),
+    ("train", ["--model.d-model", "66"], "not divisible by model.n_heads"),
+    ("train", ["--model.n-kv-heads", "3"], "not a multiple"),
+    ("train", ["--mesh.data", "3"], "devices"),
+    ("train", ["--mesh.data", "8", "--data.batch-size", "12"], "batch_size=12 is not divisible"),
+    ("train", ["--steps", "0"], "--steps must be positive"),
+    ("train", ["--steps", "ten"], "--steps"),
+    ("train", ["--optim.lr", "-1"], "optim.lr must be positive"),
+    ("train", ["--optim.update-clip", "sometimes"], "--optim.update-clip"),
+    ("train", ["--data.skip-steps", "9:3"], "skip_steps"),
+    ("train", ["--run-dir", "{existing}", "--optim.lr", "0.5"],
+     "optim.lr (run has 0.01, flags give 0.5)"),
+    ("train", ["--run-dir", "{existing}", "--resume-step", "7"], "no checkpoint at step 7"),
+    ("train", ["--run-dir", "{empty}/run"], "cannot write to --run-dir"),
+    ("train", ["--run-dir", "{garbage_config}"], "is unreadable"),
+    ("train", ["nosuchpreset"], "unknown preset"),
+    ("warmstart", ["--to", "{run}"], "--from"),
+    ("warmstart", ["--from", "{run}", "--to", "{run}2"], "no config.json"),
+    ("warmstart", ["--from", "{garbage_config}", "--to", "{run}"], "not a spikefix config"),
+    ("report", [], "give at least one run directory"),
+    ("report", ["{run}"], "no metrics.jsonl"),
+    ("report", ["{garbage_metrics}"], "is not a metrics record"),
+    ("report", ["{empty_metrics}"], "is empty"),
+    ("report", ["{garbage_metrics}", "--rule.window", "2"], "--window >= 4"),
 ]
 
 
@@ -271,30 +299,47 @@ def bad_files(tmp_path_factory):
     d = tmp_path_factory.mktemp("bad")
     (d / "empty.txt").write_bytes(b"")
     np.save(d / "big.npy", np.arange(300, 5000, dtype=np.int32))
+    np.save(d / "pickled.npy", np.array([{"tokens": [1, 2]}], dtype=object), allow_pickle=True)
+    np.save(d / "floats.npy", np.zeros(5000, np.float32))
     (d / "short.txt").write_bytes(b"abc" * 10)
+    header = np.zeros(256, np.int32)
+    header[:3] = [20240520, 1, 10_000]  # says 10,000 tokens; holds 100
+    (d / "truncated.bin").write_bytes(header.tobytes() + np.zeros(100, np.uint16).tobytes())
+    (d / "odd.bin").write_bytes(b"1234567")
     existing = d / "existing"
     existing.mkdir()
     (existing / "config.json").write_text(json.dumps(dataclasses.asdict(
         dataclasses.replace(TINY, run_dir=str(existing)))))
+    for name, text in (("garbage_config", "{not json"), ("garbage_metrics", 'xx\n{"step": 1}\n'),
+                       ("empty_metrics", "")):
+        (d / name).mkdir()
+        (d / name / ("metrics.jsonl" if "metrics" in name else "config.json")).write_text(text)
     return {"empty": d / "empty.txt", "big_ids": d / "big.npy", "short": d / "short.txt",
-            "existing": existing}
+            "pickled": d / "pickled.npy", "floats": d / "floats.npy",
+            "truncated_llmc": d / "truncated.bin", "odd_bin": d / "odd.bin",
+            "existing": existing, **{n: d / n for n in ("garbage_config", "garbage_metrics",
+                                                        "empty_metrics")}}
 
 
-@pytest.mark.parametrize("argv,message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
-def test_bad_input_exits_2_and_writes_nothing(argv, message, bad_files, tmp_path, capsys):
-    argv = [a.format(**{k: str(v) for k, v in bad_files.items()}) for a in argv]
-    uses_existing = any(m in message for m in ("run has", "no checkpoint"))
-    run_dir = bad_files["existing"] if uses_existing else tmp_path / "run"
-    before = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else None
-    preset = [] if argv[0] == "nosuchpreset" else ["tiny"]
-    if "--mesh.data" not in argv and preset:  # the test process has 8 devices
-        preset += ["--mesh.data", "8"]
-    code = T.main(preset + argv + ["--run-dir", str(run_dir)])
+@pytest.mark.parametrize("command,argv,message", BAD_INPUTS,
+                         ids=[f"{c} {' '.join(a)}" for c, a, _ in BAD_INPUTS])
+def test_bad_input_exits_2_and_writes_nothing(command, argv, message, bad_files, tmp_path,
+                                              capsys):
+    names = {k: str(v) for k, v in bad_files.items()} | {"run": str(tmp_path / "run")}
+    argv = [a.format(**names) for a in argv]
+    if command == "train":
+        preset = [] if argv[0] == "nosuchpreset" else ["tiny"]
+        if "--mesh.data" not in argv and preset:  # the test process has 8 devices
+            preset += ["--mesh.data", "8"]
+        run_dir = [] if "--run-dir" in argv else ["--run-dir", names["run"]]
+        argv = preset + argv + run_dir
+    before = tree_hashes(bad_files["empty"].parent), tree_hashes(tmp_path)
+    code = {"train": T.main, "warmstart": W.main, "report": R.main}[command](argv)
     err = capsys.readouterr().err
     assert code == 2
-    assert message in err and err.count("\n") == 1 and "Traceback" not in err
-    after = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else None
-    assert before == after
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert (tree_hashes(bad_files["empty"].parent), tree_hashes(tmp_path)) == before
+    assert not (tmp_path / "run").exists()
 
 
 def test_bad_input_from_the_shell(tmp_path):
@@ -506,15 +551,6 @@ def test_muon_option_trains(tiny_tokens):
 # ---------------------------------------------------------------------------------------------
 # warmstart.py
 
-import hashlib  # noqa: E402
-
-import warmstart as W  # noqa: E402
-
-
-def tree_hashes(root: pathlib.Path) -> dict:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
 
 def leaves_by_key(state) -> dict:
     return {jax.tree_util.keystr(p): np.asarray(x)
@@ -658,3 +694,133 @@ def test_stops_after_consecutive_non_finite_steps(tmp_path, capsys):
     assert "3 non-finite steps in a row" in capsys.readouterr().err
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").open()]
     assert len(lines) < 8 and all(m["skipped"] for m in lines[-3:])
+
+
+# ---------------------------------------------------------------------------------------------
+# report.py
+
+def planted_metrics(path: pathlib.Path) -> pathlib.Path:
+    """A metrics.jsonl with two planted loss spikes: at step 120 (update-norm spike 3 steps
+    earlier; back at the pre-spike level 3 steps later) and at step 200 (no update spike; the
+    loss settles 0.5 higher and never comes back)."""
+    steps = np.arange(300)
+    loss = 2.0 + 0.01 * np.where(steps % 2, 1.0, -1.0)  # mean exactly 2.0 over any even window
+    loss[120:123] = [3.0, 2.6, 2.3]
+    loss[123] = 1.99
+    loss[200:] += 0.5
+    update = 1.0 + 0.02 * np.where(steps % 2, 1.0, -1.0)
+    update[117] = 5.0
+    path.mkdir(parents=True)
+    with open(path / "metrics.jsonl", "w") as f:
+        for s in steps:
+            f.write(json.dumps({"step": int(s), "loss": loss[s], "update_norm": update[s],
+                                "grad_norm": 1.0, "lr": 1e-3, "skipped": 0,
+                                "attn_logit_max": [1.0, 2.0]}) + "\n")
+        f.write('{"step": 300, "lo')  # a record cut off by a crash mid-write is ignored
+    return path
+
+
+def test_spike_report_finds_planted_spikes(tmp_path):
+    spikes = R.find_spikes(R.read_metrics(planted_metrics(tmp_path / "run")))
+    assert [s.step for s in spikes] == [120, 200]
+    first, second = spikes
+    assert first.peak_step == 120 and first.length == 3
+    assert first.height == pytest.approx(1.0) and first.pre_level == pytest.approx(2.0)
+    assert first.update_lead == 3 and first.recovered_after == 3
+    assert second.update_lead is None and second.recovered_after is None
+    table = R.spike_table(spikes)
+    assert "3 steps" in table and "never" in table
+
+
+def test_report_command_writes_pngs(tmp_path, capsys):
+    run = planted_metrics(tmp_path / "run")
+    assert R.main([str(run), str(run), "--plot", str(tmp_path / "fig")]) == 0
+    out = capsys.readouterr().out
+    assert "2 loss spikes in run" in out
+    import matplotlib.image
+    for name in ("overview.png", "attn_logits.png"):
+        pixels = matplotlib.image.imread(tmp_path / "fig" / name)  # fails on a non-PNG
+        assert min(pixels.shape[:2]) > 200 and pixels[..., :3].std() > 0.05  # not blank
+
+
+# ---------------------------------------------------------------------------------------------
+# Reliability: kills, interrupted saves, damaged checkpoints, poisoned batches
+
+KILLER = '''
+import os, signal, sys
+import train
+point, n = sys.argv[1], int(sys.argv[2])
+
+
+def kill():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+save, make, managers = train.save_checkpoint, train.make_train_step, []
+
+
+def save_checkpoint(mngr, step, state, cfg):
+    save(mngr, step, state, cfg)
+    managers.append(mngr)
+    if point != "mid-step" and step == n:
+        if point == "after-save":
+            mngr.wait_until_finished()
+        kill()  # mid-save: the async write is still in flight
+
+
+def make_train_step(cfg, tx):  # mid-step: after step n is dispatched, while it computes
+    step, calls = make(cfg, tx), []
+
+    def killing_step(state, tokens):
+        calls.append(1)
+        if point == "mid-step" and len(calls) == n + 1:
+            managers[-1].wait_until_finished()  # the earlier save is complete: kill a step only
+            out = step(state, tokens)
+            kill()
+        return step(state, tokens)
+    return killing_step
+
+
+train.save_checkpoint, train.make_train_step = save_checkpoint, make_train_step
+sys.exit(train.main(sys.argv[3:]))
+'''
+
+
+@pytest.mark.slow
+def test_sigkill_anywhere_then_restart_is_bitwise_identical(tmp_path):
+    """SIGKILL mid-step, mid-checkpoint-write and right after a save; the same command run again
+    finishes with parameters bitwise equal to an uninterrupted run."""
+    (tmp_path / "killer.py").write_text(KILLER)
+    flags = ["tiny", "--steps", "12", "--checkpoint-every", "4", "--eval-every", "12"]
+    points = {"mid-step": 6, "mid-save": 8, "after-save": 4}
+
+    def start(*argv):
+        return subprocess.Popen([sys.executable, *argv], cwd=HERE, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True,
+                                env={**__import__("os").environ, "PYTHONPATH": str(HERE)})
+
+    procs = {p: start(str(tmp_path / "killer.py"), p, str(n), *flags, "--run-dir",
+                      str(tmp_path / p)) for p, n in points.items()}
+    procs["straight"] = start("train.py", *flags, "--run-dir", str(tmp_path / "straight"))
+    try:
+        codes = {p: proc.wait(timeout=300) for p, proc in procs.items()}
+        assert codes == {"mid-step": -9, "mid-save": -9, "after-save": -9, "straight": 0}, {
+            p: proc.stdout.read()[-2000:] for p, proc in procs.items()}
+        saved = {p: sorted(x.name for x in (tmp_path / p / "checkpoints").iterdir())
+                 for p in points}
+        assert saved["after-save"] == ["4"] and saved["mid-step"] == ["4"]
+        assert "4" in saved["mid-save"] and "8" not in saved["mid-save"]  # only a tmp dir
+        again = {p: start("train.py", *flags, "--run-dir", str(tmp_path / p)) for p in points}
+        procs.update({f"{p} again": proc for p, proc in again.items()})
+        outs = {p: proc.communicate(timeout=300)[0] for p, proc in again.items()}
+        assert all(proc.returncode == 0 for proc in again.values()), outs
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    for p in points:
+        assert "resumed" in outs[p] and "at step 4" in outs[p]
+    cfg = dataclasses.replace(TINY, steps=12, checkpoint_every=4, eval_every=12)
+    straight = restore_final(dataclasses.replace(cfg, run_dir=str(tmp_path / "straight")), 12)
+    for p in points:
+        assert_trees_equal(restore_final(dataclasses.replace(cfg, run_dir=str(tmp_path / p)),
+                                         12), straight)

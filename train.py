@@ -109,11 +109,16 @@ def parse_config(argv: list[str]) -> TrainConfig:
 
 def parse_flags(default: TrainConfig, args: list[str]) -> TrainConfig:
     """tyro over TrainConfig with `default` as the defaults; a bad flag is a UserError."""
+    return cli(TrainConfig, args, default=default,
+               description=f"{__doc__}\nPresets: {', '.join(PRESETS)}.")
+
+
+def cli(cls, args: list[str], **kwargs):
+    """tyro.cli, with a parse error raised as a one-line UserError (--help still prints)."""
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            return tyro.cli(TrainConfig, default=default, args=args,
-                            description=f"{__doc__}\nPresets: {', '.join(PRESETS)}.")
+            return tyro.cli(cls, args=args, **kwargs)
     except SystemExit as e:
         if e.code:  # tyro draws a box around parse errors; a user error here is one line
             raise UserError(one_line(err.getvalue())) from None
@@ -467,6 +472,8 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir) -> dict:
         sys.exit(128 + stop.signal)
     if log:
         log.close()
+        from report import find_spikes, read_metrics, spike_table  # report.py imports train
+        print(spike_table(find_spikes(read_metrics(run_dir)), str(run_dir)))
     return last
 
 

@@ -29,7 +29,7 @@ from data import TokenData
 from model import decay_mask
 from optim import lr_schedule, make_optimizer
 from train import (TrainConfig, UserError, abstract_state, checkpoint_manager, check_fits,
-                   config_from_dict, init_state, make_eval_step, make_mesh, make_writable,
+                   cli, config_from_dict, init_state, make_eval_step, make_mesh, make_writable,
                    parse_flags, restore_checkpoint, save_checkpoint, train)
 
 
@@ -45,15 +45,11 @@ class WarmStartArgs:
 
 def parse_args(argv: list[str]) -> tuple[WarmStartArgs, list[str]]:
     try:
-        args, rest = tyro.cli(WarmStartArgs, args=argv, return_unknown_args=True,
-                              description=__doc__)
-    except SystemExit as e:
-        if e.code:
-            raise UserError("usage: warmstart.py --from RUN --to NEW_RUN [--step S] "
-                            "[--rewarmup-steps K] [--rewarmup-from-ratio R] [--no-train] "
-                            "[train.py flags]") from None
-        raise
-    return args, rest
+        return cli(WarmStartArgs, argv, return_unknown_args=True, description=__doc__)
+    except UserError as e:
+        raise UserError(f"{e} (usage: warmstart.py --from RUN --to NEW_RUN [--step S] "
+                        "[--rewarmup-steps K] [--rewarmup-from-ratio R] [--no-train] "
+                        "[train.py flags])") from None
 
 
 def target_config(source: TrainConfig, args: WarmStartArgs, step: int,

@@ -1,0 +1,253 @@
+"""Spike report and figures from run directories' metrics.jsonl.
+
+    python report.py runs/spiky                              # the spike table
+    python report.py runs/spiky runs/qk --plot figures/      # + PNG figures, the runs overlaid
+
+A loss spike starts at a step whose loss lies above the mean of the previous `--window` steps by
+more than `--sigma` standard deviations and `--min-height` nats (a non-finite loss always
+counts); it lasts until the loss falls back under that threshold. For each spike the table gives
+the step, the height above the pre-spike mean, whether the update norm (Adam's step before the
+learning rate, before any update clipping) spiked by the same rule at or before it and how many
+steps earlier ("update spikes always preceded loss spikes", Marin), and how many steps the loss
+took to come back to its pre-spike mean ("-" if it never did: the spike Marin could not recover
+from). train.py prints this table at the end of every run.
+"""
+
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+
+import numpy as np
+import tyro
+
+from train import UserError, cli
+
+@dataclasses.dataclass(frozen=True)
+class SpikeRule:
+    window: int = 50  # steps of history the threshold is computed from
+    sigma: float = 4.0  # a spike lies this many standard deviations above the mean...
+    min_height: float = 0.1  # ...and at least this many nats above it
+    lookback: int = 20  # an update-norm spike this many steps before a loss spike preceded it
+
+    def __post_init__(self):
+        if self.window < 4 or self.sigma <= 0 or self.min_height < 0 or self.lookback < 0:
+            raise UserError("the spike rule needs --window >= 4, --sigma > 0, "
+                            "--min-height >= 0 and --lookback >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class Spike:
+    step: int  # first step above the threshold
+    peak_step: int
+    height: float  # peak loss - pre-spike mean (nats; inf for a non-finite loss)
+    pre_level: float  # mean loss over the window before the spike
+    length: int  # steps above the threshold
+    update_lead: int | None  # steps from the update-norm spike to the loss spike (0 = same step)
+    recovered_after: int | None  # steps until the loss was back at pre_level; None: never
+
+
+def read_metrics(run: str | pathlib.Path) -> dict[str, np.ndarray]:
+    """One array per metric, indexed by step, from a run's metrics.jsonl. A step logged twice
+    (a run resumed from an earlier checkpoint) keeps its last record. Per-layer metrics are
+    [steps, layers]."""
+    path = pathlib.Path(run) / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{run}: no metrics.jsonl there; give a train.py run directory")
+    by_step = {}
+    lines = path.read_text().splitlines()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            by_step[int(record["step"])] = record
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            if n == len(lines):
+                continue  # a last line cut off by a crash mid-write
+            raise UserError(f"{path}:{n} is not a metrics record; was the file edited?") from None
+    if not by_step:
+        raise UserError(f"{path} is empty: the run has not finished a step yet")
+    records = [by_step[s] for s in sorted(by_step)]
+    keys = [k for k in records[0] if all(k in r for r in records)]
+    out = {k: np.array([r[k] for r in records], dtype=np.float64) for k in keys}
+    if "eval_loss" not in out:
+        evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+        out["eval_step"], out["eval_loss"] = (np.array(x, dtype=np.float64)
+                                              for x in zip(*evals)) if evals else ([], [])
+    return out
+
+
+def outliers(x: np.ndarray, rule: SpikeRule, min_height: float = 0.0
+             ) -> list[tuple[int, int, float]]:
+    """(start, end, mean before) for each index range where x lies above its rolling
+    threshold. Steps inside a range are kept out of the history; a range longer than the
+    window is taken as a new level."""
+    history, ranges, start, thr, mean = [], [], None, math.inf, 0.0
+    for i, v in enumerate(x):
+        if start is None:
+            if len(history) >= rule.window // 2:
+                h = np.array(history[-rule.window:])
+                mean, thr = h.mean(), h.mean() + max(rule.sigma * h.std(ddof=1), min_height)
+            if not math.isfinite(v) or v > thr:
+                start = i
+                continue
+            history.append(v)
+        elif (math.isfinite(v) and v <= thr) or i - start >= rule.window:
+            ranges.append((start, i, mean))
+            if i - start >= rule.window:  # the level moved: the new level is the history
+                history.extend(y for y in x[start:i] if math.isfinite(y))
+            if math.isfinite(v):
+                history.append(v)
+            start = None
+    if start is not None:
+        ranges.append((start, len(x), mean))
+    return ranges
+
+
+def find_spikes(m: dict[str, np.ndarray], rule: SpikeRule = SpikeRule()) -> list[Spike]:
+    """The loss spikes of a run's metrics (read_metrics), with lead and recovery."""
+    steps, loss = m["step"].astype(int), m["loss"]
+    update_starts = ([s for s, _, _ in outliers(np.log(m["update_norm"]), rule)]
+                     if "update_norm" in m else [])
+    spikes = []
+    for start, end, pre in outliers(loss, rule, rule.min_height):
+        peak = start + int(np.nanargmax(np.where(np.isfinite(loss[start:end]),
+                                                 loss[start:end], np.inf)))
+        leads = [start - u for u in update_starts if 0 <= start - u <= rule.lookback]
+        back = [i for i in range(start + 1, len(loss)) if loss[i] <= pre]
+        spikes.append(Spike(step=int(steps[start]), peak_step=int(steps[peak]),
+                            height=float(loss[peak] - pre), pre_level=float(pre),
+                            length=end - start, update_lead=max(leads) if leads else None,
+                            recovered_after=int(steps[back[0]] - steps[start]) if back
+                            else None))
+    return spikes
+
+
+def spike_table(spikes: list[Spike], name: str = "") -> str:
+    head = f"{len(spikes)} loss spike{'s' * (len(spikes) != 1)}" + (f" in {name}" if name else "")
+    if not spikes:
+        return head
+    rows = [f"{'step':>7} {'height':>8} {'pre-spike':>9} {'steps up':>8} "
+            f"{'update spike first':>18} {'recovered after':>15}"]
+    for s in spikes:
+        lead = ("no" if s.update_lead is None else "same step" if s.update_lead == 0
+                else f"{s.update_lead} steps")
+        back = "never" if s.recovered_after is None else f"{s.recovered_after} steps"
+        rows.append(f"{s.step:>7} {s.height:>8.3f} {s.pre_level:>9.3f} {s.length:>8} "
+                    f"{lead:>18} {back:>15}")
+    return head + ":\n" + "\n".join(rows)
+
+
+def summary(m: dict[str, np.ndarray], rule: SpikeRule = SpikeRule()) -> dict:
+    """One row of a results table: final losses, largest attention logit, spikes, skips."""
+    spikes = find_spikes(m, rule)
+    logits = m.get("attn_logit_max", np.zeros((1, 1)))
+    return {"steps": int(m["step"][-1]) + 1,
+            "final_loss": float(np.mean(m["loss"][-20:])),
+            "eval_loss": float(m["eval_loss"][-1]) if len(m["eval_loss"]) else math.nan,
+            "max_attn_logit": float(np.nanmax(logits)),
+            "final_attn_logit": float(np.max(logits[-1])),
+            "spikes": len(spikes),
+            "unrecovered_spikes": sum(s.recovered_after is None for s in spikes),
+            "skipped_steps": int(np.sum(m.get("skipped", 0)))}
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures
+
+def plot(runs: dict[str, dict], out: pathlib.Path, rule: SpikeRule = SpikeRule(),
+         title: str = "") -> list[pathlib.Path]:
+    """Two PNGs: an overview (loss with spikes marked, grad and update norm, the largest
+    attention logit, LR, skipped steps; the runs overlaid) and the max attention logit of
+    every layer, one panel per run. Returns their paths."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot write figures to {out}: {e.strerror}") from None
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, axes = plt.subplots(5, 1, figsize=(10, 13), sharex=True,
+                             gridspec_kw={"height_ratios": [3, 2, 2, 1, 1]})
+    for (name, m), color in zip(runs.items(), colors * 9):
+        x = m["step"]
+        axes[0].plot(x, m["loss"], color=color, lw=0.8, label=name)
+        if len(m["eval_loss"]):
+            axes[0].plot(m["eval_step"], m["eval_loss"], "o", color=color, ms=4)
+        spikes = find_spikes(m, rule)
+        idx = [int(np.searchsorted(x, s.peak_step)) for s in spikes]
+        axes[0].plot(x[idx], np.minimum(m["loss"][idx], 1e3), "v", color=color, ms=9, mfc="none")
+        axes[1].semilogy(x, m["grad_norm"], color=color, lw=0.8)
+        if "update_norm" in m:
+            axes[1].semilogy(x, m["update_norm"] / np.nanmedian(m["update_norm"]),
+                             color=color, lw=0.8, ls=":")
+        axes[2].semilogy(x, np.max(m["attn_logit_max"], axis=1), color=color, lw=1)
+        axes[3].plot(x, m["lr"], color=color, lw=1)
+        if "skipped" in m:
+            axes[4].plot(x, np.cumsum(m["skipped"]), color=color, lw=1)
+    axes[0].set_ylabel("loss (nats/token)")
+    axes[0].legend(fontsize=8, loc="upper right")
+    axes[0].set_title(title or "loss (lines: train, dots: held out, triangles: detected spikes)")
+    axes[1].set_ylabel("norm (log)")
+    axes[1].set_title("grad norm before clipping (solid); update norm / its median (dotted)",
+                      fontsize=9)
+    axes[2].set_ylabel("max |q.k| (log)")
+    axes[2].set_title("largest attention logit over layers", fontsize=9)
+    axes[3].set_ylabel("LR")
+    axes[4].set_ylabel("skipped")
+    axes[4].set_xlabel("step")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths = [out / "overview.png"]
+    fig.savefig(paths[0], dpi=90)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(4 * len(runs), 3.2), sharey=True,
+                             squeeze=False)
+    for ax, (name, m) in zip(axes[0], runs.items()):
+        logits = m["attn_logit_max"]
+        for layer in range(logits.shape[1]):
+            ax.semilogy(m["step"], logits[:, layer], lw=0.9, label=f"layer {layer}")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("max |attention logit|")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "attn_logits.png")
+    fig.savefig(paths[1], dpi=90)
+    plt.close(fig)
+    return paths
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportArgs:
+    runs: tyro.conf.Positional[tuple[str, ...]]  # run directories
+    plot: str = ""  # write PNG figures into this folder
+    rule: SpikeRule = SpikeRule()
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = cli(ReportArgs, argv, description=__doc__)
+        if not args.runs:
+            raise UserError("give at least one run directory: report.py RUN [RUN ...]")
+        runs = {pathlib.Path(r).name or r: read_metrics(r) for r in args.runs}
+        for name, m in runs.items():
+            print(spike_table(find_spikes(m, args.rule), name))
+        if args.plot:
+            for path in plot(runs, pathlib.Path(args.plot), args.rule):
+                print(f"wrote {path}")
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
