@@ -824,3 +824,70 @@ def test_sigkill_anywhere_then_restart_is_bitwise_identical(tmp_path):
     for p in points:
         assert_trees_equal(restore_final(dataclasses.replace(cfg, run_dir=str(tmp_path / p)),
                                          12), straight)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_damaged_checkpoint_names_the_step_and_falls_back_on_request(damage, straight_run,
+                                                                     tmp_path):
+    import shutil
+    cfg, _ = straight_run
+    run = tmp_path / "run"
+    shutil.copytree(cfg.run_dir, run)
+    cfg = dataclasses.replace(cfg, run_dir=str(run))
+    victim = max((p for p in (run / "checkpoints" / "6").rglob("*") if p.is_file()),
+                 key=lambda p: p.stat().st_size)  # the largest file: array data
+    if damage == "truncate":
+        victim.write_bytes(victim.read_bytes()[:victim.stat().st_size // 2])
+    else:
+        victim.unlink()
+    before = tree_hashes(run)
+    with pytest.raises(T.UserError, match=r"checkpoint at step 6 .* unreadable .*"
+                                          r"--resume-step 3"):
+        T.train(cfg, devices=jax.devices()[:1])
+    assert tree_hashes(run) == before  # no fresh start, nothing written
+    T.train(dataclasses.replace(cfg, resume_step=3), devices=jax.devices()[:1])
+    original = restore_final(dataclasses.replace(cfg, run_dir=straight_run[0].run_dir), 6)
+    assert_trees_equal(restore_final(cfg, 6), original)  # redone from 3: bitwise the same
+    assert any(p.name.startswith("superseded-") for p in run.iterdir())  # damaged one kept
+
+
+def poison_batches(monkeypatch, steps):
+    """A test-only data source: the batches of `steps` are all token 255, and a batch of all
+    255s makes the loss (and so every gradient) NaN, as a corrupt shard might."""
+    batch, loss_fn = D.TokenData.batch, T.loss_fn
+
+    def poisoned_batch(self, step, rows=slice(None)):
+        tokens = batch(self, step, rows)
+        return np.full_like(tokens, 255) if step in steps else tokens
+
+    def poisoned_loss(params, tokens, cfg):
+        loss, aux = loss_fn(params, tokens, cfg)
+        return loss * jnp.where(jnp.all(tokens == 255), jnp.nan, 1.0), aux
+    monkeypatch.setattr(D.TokenData, "batch", poisoned_batch)
+    monkeypatch.setattr(T, "loss_fn", poisoned_loss)
+
+
+def test_poisoned_batch_is_skipped_and_training_continues(tmp_path, monkeypatch):
+    poison_batches(monkeypatch, {3})
+    cfg = tiny(tmp_path, steps=6, checkpoint_every=1, keep_checkpoints=10)
+    last = T.train(cfg, devices=jax.devices()[:1])
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [m["skipped"] for m in lines] == [0, 0, 0, 1, 0, 0]
+    assert not np.isfinite(lines[3]["loss"]) and np.isfinite(last["eval_loss"])
+    before, after = restore_final(cfg, 3), restore_final(cfg, 4)  # around the poisoned step
+    assert_trees_equal(before["params"], after["params"])
+    assert_trees_equal(before["opt_state"].inner_state, after["opt_state"].inner_state)
+    assert lines[5]["loss"] < lines[2]["loss"] + 0.5  # and it trains on
+
+
+def test_poisoned_stretch_stops_with_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    poison_batches(monkeypatch, set(range(2, 100)))
+    cfg = tiny(tmp_path, steps=20, checkpoint_every=2, max_consecutive_skips=3)
+    with pytest.raises(SystemExit) as stop:
+        T.train(cfg, devices=jax.devices()[:1])
+    assert stop.value.code == 1
+    err = capsys.readouterr().err
+    assert "3 non-finite steps in a row (last at step 4)" in err and "Last checkpoint" in err
+    good = restore_final(cfg, 2)
+    assert int(good["step"]) == 2 and all(np.isfinite(np.asarray(x)).all()
+                                         for x in jax.tree.leaves(good["params"]))
