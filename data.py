@@ -33,11 +33,7 @@ class DataConfig:
     batch_size: int = 32
     seed: int = 0
     held_out_fraction: float = 0.01  # the tail of the token stream, never trained on
-    skip_steps: str = ""  # "A:B": steps A..B-1 train on other batches (Marin tried this)
-    # "A:B[,C:D...]": steps A..B-1 train on rows that repeat one short n-gram: the gradients
-    # shrink, Adam's second moment decays, and the first normal batch after it gets an outsized
-    # update -- a loss spike on demand (the stale-second-moment mechanism, Wortsman et al.)
-    poison_steps: str = ""
+    skip_steps: str = ""  # "A:B[,C:D]": steps A..B-1 train on other batches (Marin tried this)
 
     def __post_init__(self):
         if self.seq_len <= 0 or self.batch_size <= 0:
@@ -45,7 +41,6 @@ class DataConfig:
         if not 0 < self.held_out_fraction < 1:
             raise ValueError("data.held_out_fraction must lie in (0, 1)")
         parse_steps(self.skip_steps, "skip_steps")
-        parse_steps(self.poison_steps, "poison_steps")
 
 
 def parse_steps(spec: str, name: str) -> set[int]:
@@ -136,7 +131,6 @@ class TokenData:
                              "use more data or a smaller --data.seq-len")
         self.train, self.held_out = tokens[:-n_held_out], tokens[-n_held_out:]
         self.skip = parse_steps(cfg.skip_steps, "skip_steps")
-        self.poison = parse_steps(cfg.poison_steps, "poison_steps")
 
     def _rows(self, tokens, starts, rows: slice):
         starts = starts[rows]
@@ -148,10 +142,6 @@ class TokenData:
         stream = 1 if step in self.skip else 0  # skipped steps draw from another stream
         rng = np.random.default_rng([self.cfg.seed, step, stream])
         starts = rng.integers(0, self.train.size - self.window + 1, size=self.cfg.batch_size)
-        if step in self.poison:  # each row: an n-gram of 1..8 tokens from its window, repeated
-            lengths = rng.integers(1, 9, size=self.cfg.batch_size)
-            return np.stack([np.resize(np.asarray(self.train[s:s + n]), self.window)
-                             for s, n in zip(starts[rows], lengths[rows])]).astype(np.int32)
         return self._rows(self.train, starts, rows)
 
     def eval_batch(self, rows: slice = slice(None)) -> np.ndarray:

@@ -891,3 +891,88 @@ def test_poisoned_stretch_stops_with_the_last_good_checkpoint(tmp_path, monkeypa
     good = restore_final(cfg, 2)
     assert int(good["step"]) == 2 and all(np.isfinite(np.asarray(x)).all()
                                          for x in jax.tree.leaves(good["params"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Scale-out: several processes, FSDP memory, bfloat16, checkpoints across meshes
+
+@pytest.mark.slow
+def test_two_processes_on_loopback_match_one_process(tmp_path):
+    """2 processes x 2 CPU devices (gloo collectives) train tiny on a 4x1 mesh: the same losses
+    as 1 process with 4 devices; their checkpoint resumes in one process on a 2x1 mesh."""
+    import os
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = tmp_path / "two"
+    flags = ["tiny", "--mesh.data", "4", "--steps", "6", "--checkpoint-every", "3",
+             "--eval-every", "3", "--run-dir", str(run)]
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "2"}
+    procs = [subprocess.Popen([sys.executable, "train.py", *flags, "--dist.coordinator",
+                               f"127.0.0.1:{port}", "--dist.num-processes", "2",
+                               "--dist.process-id", str(i)], cwd=HERE, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert "done: step 6" in outs[0] and "step" not in outs[1].replace("[Gloo]", "")  # logs: 0
+    two = [json.loads(x) for x in (run / "metrics.jsonl").open()]
+    one = tiny(tmp_path / "one", mesh__data=4, steps=6, checkpoint_every=3, eval_every=3)
+    T.train(one, devices=jax.devices()[:4])
+    ref = [json.loads(x) for x in (tmp_path / "one" / "run" / "metrics.jsonl").open()]
+    np.testing.assert_allclose([m["loss"] for m in two], [m["loss"] for m in ref], rtol=1e-5)
+    # the 2-process checkpoint, resumed at step 3 by one process on a 2x1 mesh
+    again = dataclasses.replace(one, run_dir=str(run), mesh=T.MeshConfig(2, 1), resume_step=3)
+    T.train(again, devices=jax.devices()[:2])
+    np.testing.assert_allclose(json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+                               ["loss"], ref[-1]["loss"], rtol=1e-4)
+
+
+def test_fsdp_bytes_per_device_on_8_devices(capsys):
+    """The CPU default on 8 devices (8x1): each device holds ~1/8 of params + optimizer state."""
+    cfg = dataclasses.replace(T.PRESETS["cpu"], mesh=T.MeshConfig(8, 1))
+    state, tx, _ = init_sharded(cfg, mesh_of(8, 1))
+    leaves = jax.tree.leaves(state)
+    total = sum(x.nbytes for x in leaves)
+    on_device = {}
+    for x in leaves:
+        for shard in x.addressable_shards:
+            on_device[shard.device] = on_device.get(shard.device, 0) + shard.data.nbytes
+    replicated = sum(x.nbytes for x in leaves if x.sharding.is_fully_replicated)
+    assert len(on_device) == 8
+    for b in on_device.values():
+        assert b <= (total - replicated) / 8 * 1.10 + replicated
+    assert replicated < 0.01 * total  # only counts, histories, norm scales
+    # --dry-run prints the same figure from shapes alone, allocating nothing
+    assert T.main(["--dry-run", "--mesh.data", "8"]) == 0
+    arithmetic = T.per_device_bytes(cfg, tx)[1]
+    assert arithmetic == max(on_device.values())
+    assert f"{arithmetic / 2**30:.3f} GiB per device" in capsys.readouterr().out
+
+
+def test_bfloat16_compute_trains_finitely(tmp_path):
+    cfg = tiny(tmp_path, model__dtype="bfloat16", steps=8, eval_every=8, checkpoint_every=8)
+    last = T.train(cfg, devices=jax.devices()[:1])
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert all(np.isfinite(m["loss"]) for m in lines) and last["eval_loss"] < lines[0]["loss"]
+    state = restore_final(cfg, 8)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state["params"]))  # params f32
+
+
+def test_checkpoint_from_4x2_restores_identically_on_2x1_and_1x1(tmp_path):
+    cfg = tiny(tmp_path, mesh__data=4, mesh__model=2)
+    state, tx, _ = init_sharded(cfg, mesh_of(4, 2))
+    mngr = T.checkpoint_manager(tmp_path / "run", cfg)
+    T.save_checkpoint(mngr, 0, state, cfg)
+    mngr.wait_until_finished()
+    for shape in ((2, 1), (1, 1)):
+        mesh = mesh_of(*shape)
+        with jax.set_mesh(mesh):
+            restored = T.restore_checkpoint(mngr, 0, T.abstract_state(cfg, tx, mesh))
+        assert_trees_equal(restored, state)
+        assert restored["params"]["layers"]["wq"].sharding.mesh.devices.size == shape[0] * shape[1]

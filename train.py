@@ -16,6 +16,7 @@ import dataclasses
 import io
 import json
 import math
+import os
 import pathlib
 import re
 import signal
@@ -43,11 +44,23 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistConfig:
+    """Several processes (one per host, or per GPU): JAX's multi-controller runtime. Fields left
+    unset come from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID; with
+    --dist.auto JAX detects them itself on SLURM, Open MPI, Cloud TPU and GKE."""
+    coordinator: str = ""  # host:port of process 0
+    num_processes: int = 0  # 0: $JAX_NUM_PROCESSES, else 1 (a single process)
+    process_id: int = -1  # -1: $JAX_PROCESS_ID
+    auto: bool = False  # jax.distributed.initialize() with cluster auto-detection
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
     mesh: MeshConfig = MeshConfig()
+    dist: DistConfig = DistConfig()
     run_dir: str = "runs/default"
     steps: int = 400  # ~8 minutes on 2 CPU cores
     seed: int = 0  # parameter init
@@ -73,7 +86,8 @@ class TrainConfig:
 # Settings that may change when a run directory is resumed: they do not change the math.
 RESUMABLE = {"run_dir", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
              "max_consecutive_skips", "dry_run", "mesh.data", "mesh.model", "data.skip_steps",
-             "per_layer_metrics", "resume_step"}
+             "per_layer_metrics", "resume_step", "dist.coordinator", "dist.num_processes",
+             "dist.process_id", "dist.auto"}
 
 PRESETS = {
     "cpu": TrainConfig(),
@@ -82,6 +96,13 @@ PRESETS = {
         optim=OptimConfig(lr=1e-2, warmup_steps=5),
         data=DataConfig(seq_len=32, batch_size=8),
         run_dir="runs/tiny", steps=20, log_every=5, eval_every=10, checkpoint_every=10),
+    # The spike experiments (experiments.py): a smaller model at a high LR, no QK-Norm, short
+    # warmup, Marin's AdamW otherwise; ~1.5 minutes on 2 cores.
+    "spiky": TrainConfig(
+        model=ModelConfig(d_model=128, d_ff=344),
+        optim=OptimConfig(lr=3e-2, warmup_steps=10, b2=0.99),
+        data=DataConfig(batch_size=16),
+        run_dir="runs/spiky", steps=300, log_every=50, eval_every=100, checkpoint_every=50),
     # The real Marin 32B shape and optimizer (REFERENCES.md); for --dry-run on a laptop.
     "marin-32b": TrainConfig(
         model=ModelConfig(vocab_size=128_256, d_model=5120, n_layers=64, n_heads=40,
@@ -142,12 +163,38 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 
 def config_from_dict(d: dict) -> TrainConfig:
-    subs = {"model": ModelConfig, "optim": OptimConfig, "data": DataConfig, "mesh": MeshConfig}
+    subs = {"model": ModelConfig, "optim": OptimConfig, "data": DataConfig, "mesh": MeshConfig,
+            "dist": DistConfig}
     return TrainConfig(**{k: subs[k](**v) if k in subs else v for k, v in d.items()})
 
 
 # ---------------------------------------------------------------------------------------------
-# Mesh and sharded state
+# Processes, mesh and sharded state
+
+def start_distributed(cfg: DistConfig) -> None:
+    """Join the other processes of a multi-process run (before any JAX device is touched); a
+    single process does nothing. Every process then sees all devices of all processes."""
+    if cfg.auto:
+        jax.distributed.initialize()
+        return
+    env = os.environ
+    n = cfg.num_processes or int(env.get("JAX_NUM_PROCESSES", 1))
+    if n <= 1:
+        return
+    coordinator = cfg.coordinator or env.get("JAX_COORDINATOR_ADDRESS", "")
+    pid = cfg.process_id if cfg.process_id >= 0 else int(env.get("JAX_PROCESS_ID", -1))
+    if not coordinator or not 0 <= pid < n:
+        raise UserError(f"a {n}-process run needs --dist.coordinator HOST:PORT and "
+                        f"--dist.process-id in [0, {n}) (or JAX_COORDINATOR_ADDRESS and "
+                        "JAX_PROCESS_ID)")
+    jax.distributed.initialize(coordinator, num_processes=n, process_id=pid)
+
+
+def say(*args, **kwargs) -> None:
+    """print, on process 0 only."""
+    if jax.process_index() == 0:
+        print(*args, **kwargs)
+
 
 def check_fits(cfg: TrainConfig, n_devices: int | None) -> None:
     """Raise UserError if the mesh cannot hold this model and batch."""
@@ -388,21 +435,23 @@ def train(cfg: TrainConfig, devices=None) -> dict:
                         else "no older checkpoint exists")
                 raise UserError(f"checkpoint at step {start} in {run_dir} is unreadable "
                                 f"({type(e).__name__}): {hint}") from None
-            print(f"resumed {run_dir} at step {start}")
+            say(f"resumed {run_dir} at step {start}")
             later = [s for s in steps_saved if s > start]
             if later:  # --resume-step went back: keep the later checkpoints, out of the way
                 aside = run_dir / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}"
                 aside.mkdir()
                 for s in later:
                     (run_dir / "checkpoints" / str(s)).rename(aside / str(s))
-                print(f"moved the later checkpoints {later} aside to {aside}")
+                say(f"moved the later checkpoints {later} aside to {aside}")
                 mngr = checkpoint_manager(run_dir, cfg)
         else:
             state = fresh_state(cfg, tx, target)
             n = count_params(cfg.model)
-            print(f"new run {run_dir}: {n / 1e6:.2f}M params, {cfg.steps} steps, "
-                  f"mesh {cfg.mesh.data}x{cfg.mesh.model}, {data.train.size:,} training tokens")
-        make_writable(run_dir, cfg)
+            say(f"new run {run_dir}: {n / 1e6:.2f}M params, {cfg.steps} steps, "
+                f"mesh {cfg.mesh.data}x{cfg.mesh.model} on {jax.process_count()} process(es), "
+                f"{data.train.size:,} training tokens")
+        if jax.process_index() == 0:
+            make_writable(run_dir, cfg)
         mngr = mngr or checkpoint_manager(run_dir, cfg)
         return run_loop(cfg, tx, state, data, mesh, mngr, run_dir)
 
@@ -410,7 +459,7 @@ def train(cfg: TrainConfig, devices=None) -> dict:
 def run_loop(cfg, tx, state, data, mesh, mngr, run_dir) -> dict:
     train_step, eval_step = make_train_step(cfg, tx), make_eval_step(cfg)
     batch_sharding = jax.NamedSharding(mesh, P("data"))
-    rows = process_rows(cfg.data.batch_size)
+    rows = process_rows(batch_sharding, cfg.data.batch_size)
 
     def put(tokens):
         return jax.make_array_from_process_local_data(batch_sharding, tokens)
@@ -436,7 +485,7 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir) -> dict:
             done = step + 1 - start
             eta = (time.perf_counter() - t_start) / done * (cfg.steps - step - 1)
             ev = f" | eval {m['eval_loss']:.4f}" if "eval_loss" in m else ""
-            print(f"step {step:>6}/{cfg.steps} | loss {m['loss']:.4f}{ev} | "
+            say(f"step {step:>6}/{cfg.steps} | loss {m['loss']:.4f}{ev} | "
                   f"grad {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
                   f"logit max {max(m['attn_logit_max']):.1f} | "
                   f"{m['tokens_per_s'] / 1e3:.1f}k tok/s | ETA {fmt_time(eta)}", flush=True)
@@ -477,21 +526,23 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir) -> dict:
     return last
 
 
-def process_rows(batch_size: int) -> slice:
-    """This process's rows of the global batch (all of them on one process)."""
-    n, i = jax.process_count(), jax.process_index()
-    per = batch_size // n
-    return slice(i * per, (i + 1) * per)
+def process_rows(sharding, batch_size: int) -> slice:
+    """This process's rows of the global batch: those its own devices hold under `sharding`
+    (all of them on one process)."""
+    rows = [i[0] for i in sharding.addressable_devices_indices_map((batch_size, 1)).values()]
+    return slice(min(r.start or 0 for r in rows), max(r.stop or batch_size for r in rows))
 
 
 def main(argv: list[str]) -> int:
     try:
-        last = train(parse_config(argv))
+        cfg = parse_config(argv)
+        start_distributed(cfg.dist)
+        last = train(cfg)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if last:
-        print(f"done: step {last['step'] + 1}, held-out loss {last['eval_loss']:.4f} "
+        say(f"done: step {last['step'] + 1}, held-out loss {last['eval_loss']:.4f} "
               f"nats/token, {last.get('avg_tokens_per_s', 0):.0f} tokens/s on average")
     return 0
 
