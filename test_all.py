@@ -283,6 +283,7 @@ BAD_INPUTS = [
     ("train", ["--run-dir", "{empty}/run"], "cannot write to --run-dir"),
     ("train", ["--run-dir", "{garbage_config}"], "is unreadable"),
     ("train", ["nosuchpreset"], "unknown preset"),
+    ("train", ["--dist.num-processes", "2"], "needs --dist.coordinator HOST:PORT"),
     ("warmstart", ["--to", "{run}"], "--from"),
     ("warmstart", ["--from", "{run}", "--to", "{run}2"], "no config.json"),
     ("warmstart", ["--from", "{garbage_config}", "--to", "{run}"], "not a spikefix config"),
@@ -976,3 +977,36 @@ def test_checkpoint_from_4x2_restores_identically_on_2x1_and_1x1(tmp_path):
             restored = T.restore_checkpoint(mngr, 0, T.abstract_state(cfg, tx, mesh))
         assert_trees_equal(restored, state)
         assert restored["params"]["layers"]["wq"].sharding.mesh.devices.size == shape[0] * shape[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# The spike story in miniature
+
+@pytest.fixture(scope="module")
+def high_lr_runs(tmp_path_factory):
+    """tiny at LR 3e-2 for 100 steps, without and with QK-Norm."""
+    runs = {}
+    for qk in (False, True):
+        cfg = tiny(tmp_path_factory.mktemp(f"qk{qk}"), model__qk_norm=qk, optim__lr=3e-2,
+                   steps=100, eval_every=100, checkpoint_every=50, log_every=50)
+        T.train(cfg, devices=jax.devices()[:1])
+        runs[qk] = (cfg, R.read_metrics(cfg.run_dir))
+    return runs
+
+
+def test_qk_norm_keeps_attention_logits_10x_smaller(high_lr_runs):
+    without = high_lr_runs[False][1]["attn_logit_max"][-10:].max()
+    with_qk = high_lr_runs[True][1]["attn_logit_max"][-10:].max()
+    assert without >= 10 * with_qk, (without, with_qk)
+
+
+def test_inserting_qk_norm_drops_the_logits_10x_at_once(high_lr_runs, tmp_path):
+    src, m = high_lr_runs[False]
+    args = W.WarmStartArgs(source=src.run_dir, to=str(tmp_path / "rescued"), step=100,
+                           rewarmup_steps=10)
+    cfg = W.convert(args, ["--steps", "105"], devices=jax.devices()[:1])
+    T.train(cfg, devices=jax.devices()[:1])
+    after = R.read_metrics(tmp_path / "rescued")
+    before = m["attn_logit_max"][-1].max()
+    assert after["step"][0] == 100 and len(after["step"]) == 5
+    assert after["attn_logit_max"].max() * 10 <= before, (before, after["attn_logit_max"])
