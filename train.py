@@ -102,7 +102,8 @@ PRESETS = {
         model=ModelConfig(d_model=128, d_ff=344),
         optim=OptimConfig(lr=3e-2, warmup_steps=10, b2=0.99),
         data=DataConfig(batch_size=16),
-        run_dir="runs/spiky", steps=300, log_every=50, eval_every=100, checkpoint_every=50),
+        run_dir="runs/spiky", steps=300, log_every=50, eval_every=100, checkpoint_every=50,
+        keep_checkpoints=10),
     # The real Marin 32B shape and optimizer (REFERENCES.md); for --dry-run on a laptop.
     "marin-32b": TrainConfig(
         model=ModelConfig(vocab_size=128_256, d_model=5120, n_layers=64, n_heads=40,

@@ -185,8 +185,8 @@ def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> TrainCon
     lr_before = float(lr_schedule(src_cfg.optim, src_cfg.steps)(step))
     lr_after = float(lr_schedule(cfg.optim, cfg.steps)(step))
     print(f"\n{len(carried)} leaves carried, {len(new)} new, {len(dropped)} dropped; step {step}")
-    print(f"LR at step {step}: {lr_before:.3e} before, {lr_after:.3e} after (re-warmup to peak "
-          f"over {cfg.optim.rewarmup_steps} steps)")
+    print(f"LR at step {step}: {lr_before:.3e} before, {lr_after:.3e} after (re-warmed linearly "
+          f"to the schedule over {cfg.optim.rewarmup_steps} steps)")
     print(f"held-out loss: {loss_before:.4f} before, {loss_after:.4f} with QK-Norm inserted "
           f"({loss_after - loss_before:+.4f})")
     print(f"wrote {dst_run} (restore, carry, save: {seconds:.2f}s)")
