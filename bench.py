@@ -10,8 +10,9 @@
 3. Overheads, each measured side by side (interleaved repeats, medians): QK-Norm on vs off; the
    whole spike machinery (skip-step + update-norm clip) vs plain AdamW + clip; per-layer
    instrumentation on vs off; an orbax checkpoint every 100 steps vs never.
-4. Compile time of the train step for the default (4 layers) and a 24-layer model: the layers
-   run under lax.scan, so it should barely grow.
+4. The layer loop: lax.scan vs unrolled (the cpu preset unrolls its 4 layers), step time side
+   by side, and compile time of the train step at 4 and 24 layers for both: a scan's compile
+   time does not grow with depth, an unrolled loop's does.
 5. warmstart.py's conversion of a checkpoint (restore, carry, save) against a plain restore +
    save of the same one; and the whole warmstart.py command (adds the held-out loss report).
 """
@@ -113,6 +114,8 @@ def bench_variants(cfg, repeats=5, n=4) -> dict:
         "qk_norm": (dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
                                                                          qk_norm=True)), None),
         "no_per_layer_metrics": (dataclasses.replace(cfg, per_layer_metrics=False), None),
+        "scan_layers": (dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, scan_layers=True)), None),
         "full_machinery": (dataclasses.replace(cfg, optim=dataclasses.replace(
             cfg.optim, skip_step=True, update_clip="norm")), None),
         "plain_adamw": (cfg, plain_adamw(cfg.optim, cfg.steps, mask)),
@@ -225,8 +228,11 @@ def main():
         "per_layer_instrumentation": steps["default"] / steps["no_per_layer_metrics"] - 1,
         "checkpoint_every_100_steps": ckpt / (100 * steps["default"]),
         "checkpoint_save_s": ckpt}
-    r["compile_s"] = {"layers_4": compile_seconds(cfg), "layers_24": compile_seconds(
-        dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=24)))}
+    r["overheads"]["scan_instead_of_unrolled"] = steps["scan_layers"] / steps["default"] - 1
+    r["compile_s"] = {f"layers_{n}_{'scan' if scan else 'unrolled'}": compile_seconds(
+        dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=n,
+                                                           scan_layers=scan)))
+        for n in (4, 24) for scan in (True, False)}
     r["warmstart"] = bench_warmstart(cfg)
     t, o, c, w = r["train_step"], r["overheads"], r["compile_s"], r["warmstart"]
     print(f"\ntrain step (preset cpu): {t['tokens_per_s']:,.0f} tokens/s, "
@@ -237,7 +243,8 @@ def main():
           f"{o['spike_machinery_vs_plain_adamw']:+.1%}, per-layer instrumentation "
           f"{o['per_layer_instrumentation']:+.1%}, checkpoint every 100 steps "
           f"{o['checkpoint_every_100_steps']:+.1%} ({o['checkpoint_save_s']:.2f} s a save)")
-    print(f"compile: {c['layers_4']:.1f} s at 4 layers, {c['layers_24']:.1f} s at 24 layers")
+    print(f"layers as a scan loop instead of unrolled: {o['scan_instead_of_unrolled']:+.1%} "
+          "step time; compile " + ", ".join(f"{k} {v:.1f} s" for k, v in c.items()))
     print(f"warm-start conversion vs restore+save: {w['convert_s']:.2f} s vs "
           f"{w['restore_save_s']:.2f} s ({w['convert_over_restore_save']:.2f}x); the whole "
           f"command with its held-out loss report: {w['warmstart_command_s']:.2f} s")

@@ -8,7 +8,7 @@ Dimension key (used in einsum strings and in the names of non-obvious tensors):
     H head dim, V vocab, L layers.
 
 Layers are stacked (every per-layer parameter has a leading L axis) and run with `jax.lax.scan`,
-so compile time does not grow with depth. Parameters are float32; `dtype` sets the compute dtype.
+so compile time does not grow with depth (`scan_layers=False` unrolls it, for shallow models). Parameters are float32; `dtype` sets the compute dtype.
 Shardings come from the logical axes in PARAMS and the one small table LOGICAL_TO_MESH.
 """
 
@@ -34,6 +34,10 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02  # OLMo 2: N(0, 0.02)
     dtype: str = "float32"  # compute dtype; "bfloat16" on accelerators (params stay float32)
+    # Layers run as a lax.scan loop: compile time independent of depth. False unrolls the loop
+    # (same stacked parameters, same checkpoints): XLA then fuses across layers -- 15% faster
+    # on a 4-layer CPU model, but compile time grows with depth.
+    scan_layers: bool = True
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
@@ -200,14 +204,28 @@ def _gather(p: dict, cfg: ModelConfig, dtype) -> dict:
     return {k: jax.reshard(v, specs[k]).astype(dtype) for k, v in p.items() if k != "layers"}
 
 
+def dense(x, w, out_spec: P):
+    """x [B, T, *in] times w [*in, *out] -> [B, T, *out], as one 2-D [B*T, in] x [in, out]
+    matmul. The same math as the einsum; XLA's CPU backward on the batched einsum form (its
+    weight gradient contracts over B and T) ran ~1.6x slower than on this form."""
+    B, T = x.shape[:2]
+    n_in = x.ndim - 2
+    out_shape = w.shape[n_in:]
+    in_spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim  # explicit: in the type
+    x_MI = x.reshape(B * T, math.prod(x.shape[2:]), out_sharding=P("data", in_spec[2]))
+    w_IO = w.reshape(math.prod(w.shape[:n_in]), math.prod(out_shape))
+    y_MO = jnp.einsum("mi,io->mo", x_MI, w_IO, out_sharding=P("data", out_spec[-1]))
+    return y_MO.reshape(B, T, *out_shape, out_sharding=P("data", None, *out_spec))
+
+
 def attention(x_BTD, p, cfg: ModelConfig):
     """Causal grouped-query attention. Returns the output and the max |attention logit|."""
     B, T, _ = x_BTD.shape
     K, H = cfg.n_kv_heads, cfg.head_dim
     G = cfg.n_heads // K
-    q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, p["wq"], out_sharding=P("data", None, "model"))
-    k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, p["wk"], out_sharding=P("data", None, "model"))
-    v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, p["wv"], out_sharding=P("data", None, "model"))
+    q_BTNH = dense(x_BTD, p["wq"], P("model", None))
+    k_BTKH = dense(x_BTD, p["wk"], P("model", None))
+    v_BTKH = dense(x_BTD, p["wv"], P("model", None))
     if cfg.qk_norm:  # NOTE: before RoPE, per head over head_dim, as DESIGN.md specifies
         q_BTNH = rms_norm(q_BTNH, p["q_norm"], cfg.norm_eps)
         k_BTKH = rms_norm(k_BTKH, p["k_norm"], cfg.norm_eps)
@@ -223,15 +241,13 @@ def attention(x_BTD, p, cfg: ModelConfig):
     out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BTKH,
                            out_sharding=P("data", None, "model"))
     out_BTNH = out_BTKGH.reshape(B, T, K * G, H)
-    out_BTD = jnp.einsum("btnh,nhd->btd", out_BTNH, p["wo"], out_sharding=P("data"))
-    return out_BTD, logit_max
+    return dense(out_BTNH, p["wo"], P(None)), logit_max
 
 
 def mlp(x_BTD, p):
-    gate_BTF = jnp.einsum("btd,df->btf", x_BTD, p["w_gate"], out_sharding=P("data", None, "model"))
-    up_BTF = jnp.einsum("btd,df->btf", x_BTD, p["w_up"], out_sharding=P("data", None, "model"))
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate_BTF) * up_BTF, p["w_down"],
-                      out_sharding=P("data"))
+    gate_BTF = dense(x_BTD, p["w_gate"], P("model"))
+    up_BTF = dense(x_BTD, p["w_up"], P("model"))
+    return dense(jax.nn.silu(gate_BTF) * up_BTF, p["w_down"], P(None))
 
 
 def forward(params: dict, tokens_BT, cfg: ModelConfig):
@@ -247,7 +263,8 @@ def forward(params: dict, tokens_BT, cfg: ModelConfig):
         x_BTD = x_BTD + mlp(rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps), p)
         return x_BTD, logit_max
 
-    x_BTD, logit_max_L = jax.lax.scan(block, x_BTD, params["layers"])
+    x_BTD, logit_max_L = jax.lax.scan(block, x_BTD, params["layers"],
+                                      unroll=1 if cfg.scan_layers else cfg.n_layers)
     x_BTD = rms_norm(x_BTD, top["final_norm"], cfg.norm_eps)
     logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, top["head"], out_sharding=P("data", None, None))
     return logits_BTV.astype(jnp.float32), {"attn_logit_max": logit_max_L}
