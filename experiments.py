@@ -126,7 +126,7 @@ def results() -> dict:
 
 def table(rows: dict) -> str:
     cmds = experiments()
-    lines = ["| experiment | held-out loss | final train loss | max attn logit (final) | "
+    lines = ["| experiment | held-out loss (nats/byte) | final train loss | max attn logit (final) | "
              "spikes (never recovered) | skipped | command |", "|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         if name == "lr_sensitivity":
@@ -137,7 +137,16 @@ def table(rows: dict) -> str:
         lines.append(f"| {name}{extra} | {r['eval_loss']:.3f} | {r['final_loss']:.3f} | "
                      f"{r['max_attn_logit']:,.0f} ({r['final_attn_logit']:,.0f}) | "
                      f"{r['spikes']} ({r['unrecovered_spikes']}) | {r['skipped_steps']} | "
-                     f"`{' '.join(cmds[name][1:])}` |")
+                     f"`python {' '.join(cmds[name][1:])}` |")
+    if {"spiky", "qk-norm", "rescue"} <= set(rows):
+        base, qk, rescue = (rows[n]["eval_loss"] for n in ("spiky", "qk-norm", "rescue"))
+        def vs(a, b):
+            return f"{abs(a - b):.3f} {'below' if a < b else 'above'}"
+        lines.append(f"\nThe rescue's held-out loss, {rescue:.3f}, is {vs(rescue, base)} the "
+                     f"spiky baseline's ({base:.3f}) and {vs(rescue, qk)} QK-Norm from scratch "
+                     f"({qk:.3f}); its largest attention logit after the insertion is "
+                     f"{rows['rescue']['max_attn_logit']:,.0f} (the baseline ends at "
+                     f"{rows['spiky']['final_attn_logit']:,.0f}).")
     if "lr_sensitivity" in rows:
         s = rows["lr_sensitivity"]
         lines.append(f"\nLR sensitivity over {{{', '.join(LR_GRID)}}} (Wortsman et al.: mean of "

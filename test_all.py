@@ -1010,3 +1010,22 @@ def test_inserting_qk_norm_drops_the_logits_10x_at_once(high_lr_runs, tmp_path):
     before = m["attn_logit_max"][-1].max()
     assert after["step"][0] == 100 and len(after["step"]) == 5
     assert after["attn_logit_max"].max() * 10 <= before, (before, after["attn_logit_max"])
+
+
+def test_experiments_lr_sensitivity_and_recovery(tmp_path):
+    import experiments as E
+    finals = dict(zip(E.LR_GRID, [2.5, 2.0, 2.2, 2.6, 6.0, 3.0]))  # 1e-1 ends above init
+    rows = {}
+    for lr, loss in finals.items():
+        for qk in (False, True):
+            name = ("qk-norm" if qk else "spiky") if lr == "3e-2" else f"lr{lr}{'-qk' * qk}"
+            steps = 120 if (lr == "3e-1" and qk) else 300  # stopped early: counts as initial
+            rows[name] = {"final_loss": loss, "initial_loss": 5.5, "steps": steps}
+    clipped = [2.5, 2.0, 2.2, 2.6, 5.5, 3.0]
+    assert E.lr_sensitivity(rows, False) == pytest.approx(np.mean(clipped) - 2.0)
+    assert E.lr_sensitivity(rows, True) == pytest.approx(np.mean(clipped[:5] + [5.5]) - 2.0)
+    spiky = {"step": np.arange(300.0), "loss": np.full(300, 2.0)}
+    rescue = {"step": np.arange(150.0, 300.0), "loss": np.r_[np.full(30, 2.5), np.full(120, 1.9)]}
+    # the 20-step mean first reaches 2.0 with 3 of its steps at 2.5: (3 x 2.5 + 17 x 1.9) / 20
+    assert E.recovery_after_warm_start(rescue, spiky) == 46
+    assert E.recovery_after_warm_start({**rescue, "loss": rescue["loss"] + 1}, spiky) is None
