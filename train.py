@@ -62,7 +62,7 @@ class TrainConfig:
     mesh: MeshConfig = MeshConfig()
     dist: DistConfig = DistConfig()
     run_dir: str = "runs/default"
-    steps: int = 400  # ~8 minutes on 2 CPU cores
+    steps: int = 400  # ~6 minutes on 2 CPU cores
     seed: int = 0  # parameter init
     log_every: int = 20  # progress line every this many steps (metrics.jsonl gets every step)
     eval_every: int = 200  # held-out loss every this many steps, and at the end
@@ -472,9 +472,10 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir) -> dict:
     start = int(state["step"])
     prev, last, consecutive_skips, t_first = None, {}, 0, None
     t_start = t_prev = time.perf_counter()
+    shown = (start - 1, t_start)  # the step and time of the last progress line
 
     def record(step, metrics):  # called with step s-1's metrics after step s is dispatched
-        nonlocal t_prev, consecutive_skips, t_first
+        nonlocal t_prev, consecutive_skips, t_first, shown
         now = time.perf_counter()
         t_first = t_first or now  # throughput is averaged from here: the compile is excluded
         m = {"step": step, **to_host(metrics), "tokens_per_s": tokens_per_step / (now - t_prev)}
@@ -484,12 +485,14 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir) -> dict:
             log.flush()
         if step % cfg.log_every == 0 or "eval_loss" in m:
             done = step + 1 - start
-            eta = (time.perf_counter() - t_start) / done * (cfg.steps - step - 1)
+            eta = (now - t_start) / done * (cfg.steps - step - 1)
+            rate = tokens_per_step * (step - shown[0]) / (now - shown[1])  # since the last line
+            shown = (step, now)
             ev = f" | eval {m['eval_loss']:.4f}" if "eval_loss" in m else ""
             say(f"step {step:>6}/{cfg.steps} | loss {m['loss']:.4f}{ev} | "
-                  f"grad {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
-                  f"logit max {max(m['attn_logit_max']):.1f} | "
-                  f"{m['tokens_per_s'] / 1e3:.1f}k tok/s | ETA {fmt_time(eta)}", flush=True)
+                f"grad {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
+                f"logit max {max(m['attn_logit_max']):.1f} | "
+                f"{rate / 1e3:.1f}k tok/s | ETA {fmt_time(eta)}", flush=True)
         consecutive_skips = consecutive_skips + 1 if not math.isfinite(m["loss"] + m[
             "grad_norm"]) else 0
         return m
