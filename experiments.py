@@ -126,8 +126,9 @@ def results() -> dict:
 
 def table(rows: dict) -> str:
     cmds = experiments()
-    lines = ["| experiment | held-out loss (nats/byte) | final train loss | max attn logit (final) | "
-             "spikes (never recovered) | skipped | command |", "|---|---|---|---|---|---|---|"]
+    lines = ["| experiment | held-out loss (nats/byte) | final train loss | max attn logit "
+             "(final) | spikes (never recovered) | skipped | command |",
+             "|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         if name == "lr_sensitivity":
             continue

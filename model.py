@@ -8,7 +8,8 @@ Dimension key (used in einsum strings and in the names of non-obvious tensors):
     H head dim, V vocab, L layers.
 
 Layers are stacked (every per-layer parameter has a leading L axis) and run with `jax.lax.scan`,
-so compile time does not grow with depth (`scan_layers=False` unrolls it, for shallow models). Parameters are float32; `dtype` sets the compute dtype.
+so compile time does not grow with depth (`scan_layers=False` unrolls it, for shallow models).
+Parameters are float32; `dtype` sets the compute dtype.
 Shardings come from the logical axes in PARAMS and the one small table LOGICAL_TO_MESH.
 """
 

@@ -547,7 +547,7 @@ def main(argv: list[str]) -> int:
         return 2
     if last:
         say(f"done: step {last['step'] + 1}, held-out loss {last['eval_loss']:.4f} "
-              f"nats/token, {last.get('avg_tokens_per_s', 0):.0f} tokens/s on average")
+            f"nats/token, {last.get('avg_tokens_per_s', 0):.0f} tokens/s on average")
     return 0
 
 
