@@ -104,6 +104,15 @@ PRESETS = {
         data=DataConfig(batch_size=16),
         run_dir="runs/spiky", steps=300, log_every=50, eval_every=100, checkpoint_every=50,
         keep_checkpoints=10),
+    # The same model run longer at a constant LR with the stale second moment of beta2 0.999 and
+    # no gradient clipping: the story experiments (~3 minutes on 2 cores).
+    "spiky-long": TrainConfig(
+        model=ModelConfig(d_model=128, d_ff=344),
+        optim=OptimConfig(lr=3e-2, warmup_steps=10, b2=0.999, max_grad_norm=0.0,
+                          min_lr_ratio=1.0),
+        data=DataConfig(batch_size=16),
+        run_dir="runs/spiky-long", steps=1000, log_every=250, eval_every=500,
+        checkpoint_every=250, keep_checkpoints=10),
     # The real Marin 32B shape and optimizer (REFERENCES.md); for --dry-run on a laptop.
     "marin-32b": TrainConfig(
         model=ModelConfig(vocab_size=128_256, d_model=5120, n_layers=64, n_heads=40,
