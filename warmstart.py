@@ -174,8 +174,7 @@ def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> TrainCon
                                                                   mesh, dst_run)
         seconds = time.perf_counter() - t0
         tokens = jax.device_put(held_out, jax.NamedSharding(mesh, jax.P("data")))
-        src_on_mesh = dataclasses.replace(src_cfg, mesh=cfg.mesh)
-        loss_before = float(make_eval_step(src_on_mesh)(source["params"], tokens))
+        loss_before = float(make_eval_step(src_cfg)(source["params"], tokens))  # model only
         loss_after = float(make_eval_step(cfg)(state["params"], tokens))
 
     print(f"{'leaf':<64} {'shape':<20} status")
