@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import checkpoint as C
+from distributed import make_mesh
 import model as M
 import optim as O
 import train as T
@@ -55,8 +57,8 @@ def count_compile(event: str, duration_secs: float, **kwargs):
 
 def step_timer(cfg, tx, mesh, tokens):
     """A function that times n steps (seconds per step), after one compiling step."""
-    target = T.abstract_state(cfg, tx, mesh)
-    state = T.fresh_state(cfg, tx, target)
+    target = C.abstract_state(cfg.model, tx, mesh)
+    state = C.fresh_state(cfg.model, cfg.seed, tx, target)
     step = T.make_train_step(cfg, tx)
     state, m = step(state, tokens)
     jax.block_until_ready(m)
@@ -120,13 +122,13 @@ def bench_variants(cfg, repeats=5, n=4) -> dict:
             cfg.optim, skip_step=True, update_clip="norm")), None),
         "plain_adamw": (cfg, plain_adamw(cfg.optim, cfg.steps, mask)),
     }
-    mesh = T.make_mesh(cfg.mesh)
+    mesh = make_mesh(cfg.mesh)
     with jax.set_mesh(mesh):
         tokens = jax.device_put(np.random.default_rng(0).integers(
             0, 256, (cfg.data.batch_size, cfg.data.seq_len + 1)).astype(np.int32),
             jax.NamedSharding(mesh, jax.P("data")))
-        timers = {name: step_timer(c, tx or O.make_optimizer(c.optim, c.steps, M.decay_mask(
-            c.model)), mesh, tokens) for name, (c, tx) in variants.items()}
+        timers = {name: step_timer(c, tx or T.make_tx(c), mesh, tokens)
+                  for name, (c, tx) in variants.items()}
         times = {name: [] for name in variants}
         for _ in range(repeats):  # interleaved, so drift on a shared machine hits all alike
             for name, timer in timers.items():
@@ -137,28 +139,28 @@ def bench_variants(cfg, repeats=5, n=4) -> dict:
 def bench_checkpoint_cost(cfg) -> float:
     """Seconds an async orbax save of the train state costs the loop (blocking part + the
     time the next steps lose to the writer thread), measured on a loop with vs without one."""
-    mesh = T.make_mesh(cfg.mesh)
-    tx = O.make_optimizer(cfg.optim, cfg.steps, M.decay_mask(cfg.model))
+    mesh = make_mesh(cfg.mesh)
+    tx = T.make_tx(cfg)
     with tempfile.TemporaryDirectory() as tmp, jax.set_mesh(mesh):
         timer = step_timer(cfg, tx, mesh, jax.device_put(np.zeros(
             (cfg.data.batch_size, cfg.data.seq_len + 1), np.int32),
             jax.NamedSharding(mesh, jax.P("data"))))
-        mngr = T.checkpoint_manager(pathlib.Path(tmp), cfg)
+        mngr = C.checkpoint_manager(pathlib.Path(tmp), cfg.keep_checkpoints)
         plain, saving = [], []
         for i in range(3):
             plain.append(timer(3) * 3)
             t = time.perf_counter()
-            T.save_checkpoint(mngr, i, timer.state(), cfg)
+            C.save_checkpoint(mngr, i, timer.state(), dataclasses.asdict(cfg))
             saving.append(time.perf_counter() - t + timer(3) * 3)
             mngr.wait_until_finished()
     return statistics.median(saving) - statistics.median(plain)
 
 
 def compile_seconds(cfg) -> float:
-    mesh = T.make_mesh(cfg.mesh)
-    tx = O.make_optimizer(cfg.optim, cfg.steps, M.decay_mask(cfg.model))
+    mesh = make_mesh(cfg.mesh)
+    tx = T.make_tx(cfg)
     with jax.set_mesh(mesh):
-        state = T.abstract_state(cfg, tx, mesh)
+        state = C.abstract_state(cfg.model, tx, mesh)
         tokens = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), jnp.int32,
                                       sharding=jax.NamedSharding(mesh, jax.P("data")))
         t = time.perf_counter()
@@ -170,27 +172,27 @@ def bench_warmstart(cfg, repeats=3):
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
         src = dataclasses.replace(cfg, run_dir=str(tmp / "src"))
-        mesh = T.make_mesh(src.mesh)
-        tx = O.make_optimizer(src.optim, src.steps, M.decay_mask(src.model))
-        target = T.abstract_state(src, tx, mesh)
+        mesh = make_mesh(src.mesh)
+        tx = T.make_tx(src)
+        target = C.abstract_state(src.model, tx, mesh)
         with jax.set_mesh(mesh):
-            state = T.fresh_state(src, tx, target)
-            T.make_writable(tmp / "src", src)
-            mngr = T.checkpoint_manager(tmp / "src", src)
-            T.save_checkpoint(mngr, 100, state, src)
+            state = C.fresh_state(src.model, src.seed, tx, target)
+            C.write_config(tmp / "src", dataclasses.asdict(src))
+            mngr = C.checkpoint_manager(tmp / "src", src.keep_checkpoints)
+            C.save_checkpoint(mngr, 100, state, dataclasses.asdict(src))
             mngr.wait_until_finished()
         qk = W.target_config(src, W.WarmStartArgs(source="", to=""), 100, [])
         plain, convert, command = [], [], []
         for i in range(repeats):  # interleaved
             with jax.set_mesh(mesh):
                 t = time.perf_counter()  # a plain restore builds its target too
-                restored = T.restore_checkpoint(mngr, 100, T.abstract_state(src, tx, mesh))
-                out = T.checkpoint_manager(tmp / f"plain{i}", src)
-                T.save_checkpoint(out, 100, restored, src)
+                restored = C.restore_checkpoint(mngr, 100, C.abstract_state(src.model, tx, mesh))
+                out = C.checkpoint_manager(tmp / f"plain{i}", src.keep_checkpoints)
+                C.save_checkpoint(out, 100, restored, dataclasses.asdict(src))
                 out.wait_until_finished()
                 plain.append(time.perf_counter() - t)
                 t = time.perf_counter()
-                W.convert_checkpoint(mngr, 100, src, qk, mesh, tmp / f"surgery{i}")
+                W.convert_checkpoint(tmp / "src", 100, src, qk, mesh, tmp / f"surgery{i}")
                 convert.append(time.perf_counter() - t)
             t = time.perf_counter()  # the whole command: + data, held-out losses, report
             W.convert(W.WarmStartArgs(source=str(tmp / "src"), to=str(tmp / f"new{i}"),

@@ -5,7 +5,8 @@
     held_out = data.eval_batch()         # a fixed batch from the held-out tail
 
 Because a batch is a function of the step alone, resuming needs no iterator state and "train on
-other batches for steps A..B" (Marin's "skip the problematic step") is one setting.
+other batches for steps A..B" (Marin's "skip the problematic data") is one setting:
+`--data.replace-batches A:B`.
 
 Sources (`DataConfig.source`):
   ""              the embedded default: this Python's own standard library `.py` sources as bytes
@@ -33,19 +34,22 @@ class DataConfig:
     batch_size: int = 32
     seed: int = 0
     held_out_fraction: float = 0.01  # the tail of the token stream, never trained on
-    skip_steps: str = ""  # "A:B[,C:D]": steps A..B-1 train on other batches (Marin tried this)
+    # "A:B[,C:D]": steps A..B-1 train on other batches than their own (Marin tried skipping
+    # the data before a spike)
+    replace_batches: str = ""
 
     def __post_init__(self):
         if self.seq_len <= 0 or self.batch_size <= 0:
             raise ValueError("data.seq_len and data.batch_size must be positive")
         if not 0 < self.held_out_fraction < 1:
             raise ValueError("data.held_out_fraction must lie in (0, 1)")
-        parse_steps(self.skip_steps, "skip_steps")
+        parse_ranges(self.replace_batches, "replace_batches")
 
 
-def parse_steps(spec: str, name: str) -> set[int]:
-    """"A:B,C:D" -> the steps A..B-1 and C..D-1."""
-    steps = set()
+def parse_ranges(spec: str, name: str) -> list[range]:
+    """"A:B,C:D" -> [range(A, B), range(C, D)], kept as ranges (a range of a billion steps
+    costs nothing)."""
+    ranges = []
     for part in filter(None, spec.split(",")):
         try:
             a, b = (int(x) for x in part.split(":"))
@@ -53,8 +57,8 @@ def parse_steps(spec: str, name: str) -> set[int]:
             raise ValueError(f"data.{name} must look like A:B (e.g. 1200:1300), got {spec!r}")
         if not 0 <= a < b:
             raise ValueError(f"data.{name} A:B needs 0 <= A < B, got {spec!r}")
-        steps.update(range(a, b))
-    return steps
+        ranges.append(range(a, b))
+    return ranges
 
 
 def stdlib_files() -> list[pathlib.Path]:
@@ -130,7 +134,7 @@ class TokenData:
                              f"sequence of {self.window} plus a held-out slice of {n_held_out}; "
                              "use more data or a smaller --data.seq-len")
         self.train, self.held_out = tokens[:-n_held_out], tokens[-n_held_out:]
-        self.skip = parse_steps(cfg.skip_steps, "skip_steps")
+        self.replaced = parse_ranges(cfg.replace_batches, "replace_batches")
 
     def _rows(self, tokens, starts, rows: slice):
         starts = starts[rows]
@@ -139,7 +143,7 @@ class TokenData:
     def batch(self, step: int, rows: slice = slice(None)) -> np.ndarray:
         """int32 [B, T+1] for `step`. `rows` picks this process's share of the global batch:
         every process draws the same offsets and builds only its own rows."""
-        stream = 1 if step in self.skip else 0  # skipped steps draw from another stream
+        stream = 1 if any(step in r for r in self.replaced) else 0  # replaced: another stream
         rng = np.random.default_rng([self.cfg.seed, step, stream])
         starts = rng.integers(0, self.train.size - self.window + 1, size=self.cfg.batch_size)
         return self._rows(self.train, starts, rows)

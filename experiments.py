@@ -22,7 +22,8 @@ import numpy as np
 import tyro
 
 from report import plot, read_metrics, summary
-from train import PRESETS, UserError, cli
+from cli import UserError, command, parse
+from train import PRESETS
 
 RUNS, RESULTS = pathlib.Path("runs/exp"), pathlib.Path("results")
 STORY, SWEEP = "spiky-long", "spiky"  # presets: the story runs, and the LR sweep (300 steps)
@@ -174,34 +175,31 @@ class Args:
     jobs: int = 2  # experiments run side by side
 
 
+@command
 def main(argv: list[str]) -> int:
-    try:
-        args = cli(Args, argv, description=__doc__)
-        cmds = experiments()
-        unknown = [n for n in args.names if n not in cmds]
-        if unknown:
-            raise UserError(f"unknown experiment {unknown[0]!r}: choose from {', '.join(cmds)}")
-        if args.list:
-            for name, cmd in cmds.items():
-                print(f"{name:<18} python {' '.join(cmd[1:])}")
-            return 0
-        chosen = [n for n in cmds if n in args.names or not args.names]
-        first = [n for n in chosen if n != "rescue"]
-        with ThreadPoolExecutor(args.jobs) as pool:
-            codes = dict(zip(first, pool.map(lambda n: run(n, cmds[n]), first)))
-        if "rescue" in chosen:
-            codes["rescue"] = run("rescue", cmds["rescue"])
-        rows = results()
-        text = table(rows)
-        print(text)
-        update_readme(text)
-        print(f"wrote {RESULTS}/results.json, {RESULTS}/overview.png, "
-              f"{RESULTS}/attn_logits.png and the README table")
-        failed = {n: c for n, c in codes.items() if c not in (0, 1)}  # 1: stopped, diverged
-        return 1 if failed else 0
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = parse(Args, argv, description=__doc__)
+    cmds = experiments()
+    unknown = [n for n in args.names if n not in cmds]
+    if unknown:
+        raise UserError(f"unknown experiment {unknown[0]!r}: choose from {', '.join(cmds)}")
+    if args.list:
+        for name, cmd in cmds.items():
+            print(f"{name:<18} python {' '.join(cmd[1:])}")
+        return 0
+    chosen = [n for n in cmds if n in args.names or not args.names]
+    first = [n for n in chosen if n != "rescue"]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        codes = dict(zip(first, pool.map(lambda n: run(n, cmds[n]), first)))
+    if "rescue" in chosen:
+        codes["rescue"] = run("rescue", cmds["rescue"])
+    rows = results()
+    text = table(rows)
+    print(text)
+    update_readme(text)
+    print(f"wrote {RESULTS}/results.json, {RESULTS}/overview.png, "
+          f"{RESULTS}/attn_logits.png and the README table")
+    failed = {n: c for n, c in codes.items() if c not in (0, 1)}  # 1: stopped, diverged
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

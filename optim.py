@@ -322,20 +322,20 @@ def gathered(inner: optax.GradientTransformation) -> optax.GradientTransformatio
 
 
 def opt_metrics(opt_state, cfg: OptimConfig) -> dict:
-    """What the optimizer saw on the last step, read from its state (no recomputation);
-    nothing for an optimizer built elsewhere."""
-    if not isinstance(opt_state, SkipStepState):
+    """What the optimizer saw on its last step, for the metrics: read by field name from its
+    state (`optax.tree.get` finds a field wherever the chain nests it), nothing recomputed.
+    Empty for an optimizer built elsewhere (no skip-step state)."""
+    if optax.tree.get(opt_state, "skipped") is None:
         return {}
-    clip_state = next(s for s in opt_state.inner_state if isinstance(s, UpdateClipState))
-    grad_norm = opt_state.grad_norm
-    clipped = (jnp.minimum(grad_norm, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else grad_norm)
+    grad_norm = optax.tree.get(opt_state, "grad_norm")  # before clipping
     return {
         "grad_norm": grad_norm,
-        "grad_norm_clipped": clipped,
-        "update_norm": clip_state.norm_before,
-        "update_norm_clipped": clip_state.norm_after,
-        "update_clip_threshold": clip_state.threshold,
-        "skipped": opt_state.skipped.astype(jnp.int32),
-        "skip_loss_threshold": opt_state.loss_threshold,
-        "skip_grad_norm_threshold": opt_state.grad_norm_threshold,
+        "grad_norm_clipped": (jnp.minimum(grad_norm, cfg.max_grad_norm) if cfg.max_grad_norm > 0
+                              else grad_norm),
+        "update_norm": optax.tree.get(opt_state, "norm_before"),  # before update clipping
+        "update_norm_clipped": optax.tree.get(opt_state, "norm_after"),
+        "update_clip_threshold": optax.tree.get(opt_state, "threshold"),
+        "skipped": optax.tree.get(opt_state, "skipped").astype(jnp.int32),
+        "skip_loss_threshold": optax.tree.get(opt_state, "loss_threshold"),
+        "skip_grad_norm_threshold": optax.tree.get(opt_state, "grad_norm_threshold"),
     }

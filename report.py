@@ -22,7 +22,8 @@ import sys
 import numpy as np
 import tyro
 
-from train import UserError, cli
+from cli import UserError, command, parse
+
 
 @dataclasses.dataclass(frozen=True)
 class SpikeRule:
@@ -232,20 +233,17 @@ class ReportArgs:
     rule: SpikeRule = SpikeRule()
 
 
+@command
 def main(argv: list[str]) -> int:
-    try:
-        args = cli(ReportArgs, argv, description=__doc__)
-        if not args.runs:
-            raise UserError("give at least one run directory: report.py RUN [RUN ...]")
-        runs = {pathlib.Path(r).name or r: read_metrics(r) for r in args.runs}
-        for name, m in runs.items():
-            print(spike_table(find_spikes(m, args.rule), name))
-        if args.plot:
-            for path in plot(runs, pathlib.Path(args.plot), args.rule):
-                print(f"wrote {path}")
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = parse(ReportArgs, argv, description=__doc__)
+    if not args.runs:
+        raise UserError("give at least one run directory: report.py RUN [RUN ...]")
+    runs = {pathlib.Path(r).name or r: read_metrics(r) for r in args.runs}
+    for name, m in runs.items():
+        print(spike_table(find_spikes(m, args.rule), name))
+    if args.plot:
+        for path in plot(runs, pathlib.Path(args.plot), args.rule):
+            print(f"wrote {path}")
     return 0
 
 

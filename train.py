@@ -11,14 +11,9 @@ NOTE for readers looking for `pjit`: in current JAX, `jax.jit` with shardings *i
 `jax.experimental.pjit` is deprecated. The mesh uses explicit sharding (`AxisType.Explicit`).
 """
 
-import contextlib
 import dataclasses
-import io
-import json
 import math
-import os
 import pathlib
-import re
 import signal
 import sys
 import time
@@ -26,32 +21,17 @@ import time
 import jax
 import jax.numpy as jnp
 import optax
-import orbax.checkpoint as ocp
-import tyro
 from jax import P
-from jax.sharding import AxisType
 
+from checkpoint import (abstract_state, checkpoint_manager, fresh_state, per_device_bytes,
+                        read_config, resume, save_checkpoint, strict_json, write_config)
+from cli import UserError, command, parse
 from data import DataConfig, TokenData
-from model import ModelConfig, count_params, flops_per_token, loss_fn, param_table
-from model import decay_mask, init_params, logical_to_spec
+from distributed import (DistConfig, MeshConfig, check_fits, make_mesh, process_rows, say,
+                         start_distributed)
+from model import ModelConfig, count_params, decay_mask, flops_per_token, loss_fn
 from optim import OptimConfig, lr_schedule, make_optimizer, opt_metrics
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    data: int = 1  # batch split and FSDP over this axis
-    model: int = 1  # tensor parallelism over heads / ffw / vocab
-
-
-@dataclasses.dataclass(frozen=True)
-class DistConfig:
-    """Several processes (one per host, or per GPU): JAX's multi-controller runtime. Fields left
-    unset come from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID; with
-    --dist.auto JAX detects them itself on SLURM, Open MPI, Cloud TPU and GKE."""
-    coordinator: str = ""  # host:port of process 0
-    num_processes: int = 0  # 0: $JAX_NUM_PROCESSES, else 1 (a single process)
-    process_id: int = -1  # -1: $JAX_PROCESS_ID
-    auto: bool = False  # jax.distributed.initialize() with cluster auto-detection
+from report import find_spikes, read_metrics, spike_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,14 +48,14 @@ class TrainConfig:
     eval_every: int = 200  # held-out loss every this many steps, and at the end
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
-    max_consecutive_skips: int = 20  # stop after this many non-finite steps in a row
+    max_consecutive_nonfinite: int = 20  # stop after this many non-finite steps in a row
     per_layer_metrics: bool = True  # per-layer grad/update norms and q/k weight norms
     resume_step: int | None = None  # resume from this checkpoint instead of the latest
     dry_run: bool = False  # print sizes and per-device bytes, allocate nothing
 
     def __post_init__(self):
         for name in ("steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
-                     "max_consecutive_skips"):
+                     "max_consecutive_nonfinite"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, "
                                  f"got {getattr(self, name)}")
@@ -85,9 +65,12 @@ class TrainConfig:
 
 # Settings that may change when a run directory is resumed: they do not change the math.
 RESUMABLE = {"run_dir", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
-             "max_consecutive_skips", "dry_run", "mesh.data", "mesh.model", "data.skip_steps",
-             "per_layer_metrics", "resume_step", "dist.coordinator", "dist.num_processes",
-             "dist.process_id", "dist.auto"}
+             "max_consecutive_nonfinite", "dry_run", "mesh.data", "mesh.model",
+             "data.replace_batches", "per_layer_metrics", "resume_step", "dist.coordinator",
+             "dist.num_processes", "dist.process_id", "dist.auto"}
+# Names a config.json written by an earlier version may use, and what they are called now.
+RENAMED = {"data.skip_steps": "data.replace_batches",
+           "max_consecutive_skips": "max_consecutive_nonfinite"}
 
 PRESETS = {
     "cpu": TrainConfig(model=ModelConfig(scan_layers=False)),  # 4 layers: unrolled is faster
@@ -113,7 +96,7 @@ PRESETS = {
         data=DataConfig(batch_size=16),
         run_dir="runs/spiky-long", steps=1000, log_every=250, eval_every=500,
         checkpoint_every=250, keep_checkpoints=10),
-    # The real Marin 32B shape and optimizer (REFERENCES.md); for --dry-run on a laptop.
+    # The real Marin 32B shape and optimizer (Marin's exp1295_32b); for --dry-run on a laptop.
     "marin-32b": TrainConfig(
         model=ModelConfig(vocab_size=128_256, d_model=5120, n_layers=64, n_heads=40,
                           n_kv_heads=8, d_ff=27_648, rope_theta=500_000.0, dtype="bfloat16"),
@@ -123,10 +106,6 @@ PRESETS = {
         mesh=MeshConfig(data=256, model=4),
         run_dir="runs/marin-32b", steps=160_000, checkpoint_every=1000, eval_every=1000),
 }
-
-
-class UserError(Exception):
-    """A mistake in the command line, the data or the run directory: one line, exit 2."""
 
 
 def parse_config(argv: list[str]) -> TrainConfig:
@@ -140,29 +119,8 @@ def parse_config(argv: list[str]) -> TrainConfig:
 
 def parse_flags(default: TrainConfig, args: list[str]) -> TrainConfig:
     """tyro over TrainConfig with `default` as the defaults; a bad flag is a UserError."""
-    return cli(TrainConfig, args, default=default,
-               description=f"{__doc__}\nPresets: {', '.join(PRESETS)}.")
-
-
-def cli(cls, args: list[str], **kwargs):
-    """tyro.cli, with a parse error raised as a one-line UserError (--help still prints)."""
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            return tyro.cli(cls, args=args, **kwargs)
-    except SystemExit as e:
-        if e.code:  # tyro draws a box around parse errors; a user error here is one line
-            raise UserError(one_line(err.getvalue())) from None
-        raise
-
-
-def one_line(tyro_message: str) -> str:
-    """tyro's boxed error (a title line, the message, a help pointer) as one line."""
-    lines = [line.strip(" │╭╮╰╯─-") for line in tyro_message.splitlines()]
-    lines = [line for line in lines if line and not line.startswith("For full helptext")]
-    text = " ".join(" ".join(lines[1:] or lines).split())
-    return re.sub(r"Error parsing (--\S+|[\w.]+): ", lambda m: m[1] + ": " if m[1][0] == "-"
-                  else "", text)
+    return parse(TrainConfig, args, default=default,
+                 description=f"{__doc__}\nPresets: {', '.join(PRESETS)}.")
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -173,110 +131,57 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 
 def config_from_dict(d: dict) -> TrainConfig:
+    """A TrainConfig from its asdict() form, as config.json stores it (older names renamed)."""
     subs = {"model": ModelConfig, "optim": OptimConfig, "data": DataConfig, "mesh": MeshConfig,
             "dist": DistConfig}
-    return TrainConfig(**{k: subs[k](**v) if k in subs else v for k, v in d.items()})
+    nested: dict = {}
+    for key, value in flatten(d).items():
+        *parents, leaf = RENAMED.get(key, key).split(".")
+        node = nested
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return TrainConfig(**{k: subs[k](**v) if k in subs else v for k, v in nested.items()})
 
 
-# ---------------------------------------------------------------------------------------------
-# Processes, mesh and sharded state
-
-def start_distributed(cfg: DistConfig) -> None:
-    """Join the other processes of a multi-process run (before any JAX device is touched); a
-    single process does nothing. Every process then sees all devices of all processes."""
-    if cfg.auto:
-        jax.distributed.initialize()
-        return
-    env = os.environ
-    n = cfg.num_processes or int(env.get("JAX_NUM_PROCESSES", 1))
-    if n <= 1:
-        return
-    coordinator = cfg.coordinator or env.get("JAX_COORDINATOR_ADDRESS", "")
-    pid = cfg.process_id if cfg.process_id >= 0 else int(env.get("JAX_PROCESS_ID", -1))
-    if not coordinator or not 0 <= pid < n:
-        raise UserError(f"a {n}-process run needs --dist.coordinator HOST:PORT and "
-                        f"--dist.process-id in [0, {n}) (or JAX_COORDINATOR_ADDRESS and "
-                        "JAX_PROCESS_ID)")
-    jax.distributed.initialize(coordinator, num_processes=n, process_id=pid)
+def load_config(run_dir: pathlib.Path) -> TrainConfig | None:
+    """The config stored in a run directory; None if it has none."""
+    stored = read_config(run_dir)
+    if stored is None:
+        return None
+    try:
+        return config_from_dict(stored)
+    except (ValueError, TypeError, AttributeError) as e:
+        raise UserError(f"{run_dir}/config.json is not a spikefix config ({e})") from None
 
 
-def say(*args, **kwargs) -> None:
-    """print, on process 0 only."""
-    if jax.process_index() == 0:
-        print(*args, **kwargs)
+def check_same_run(stored: TrainConfig, cfg: TrainConfig) -> None:
+    """A run directory holds one run: its config must agree with the flags, but for RESUMABLE."""
+    old, new = flatten(dataclasses.asdict(stored)), flatten(dataclasses.asdict(cfg))
+    diffs = [f"{k} (run has {old.get(k)!r}, flags give {new.get(k)!r})"
+             for k in sorted(set(old) | set(new))
+             if k not in RESUMABLE and old.get(k) != new.get(k)]
+    if diffs:
+        raise UserError(f"{cfg.run_dir} holds a run with a different config: "
+                        f"{'; '.join(diffs)}. Pass the same flags to resume, or use a new "
+                        "--run-dir")
 
 
-def check_fits(cfg: TrainConfig, n_devices: int | None) -> None:
-    """Raise UserError if the mesh cannot hold this model and batch."""
-    m, d, mdl = cfg.model, cfg.mesh.data, cfg.mesh.model
-    if n_devices is not None and d * mdl != n_devices:
-        raise UserError(f"mesh {d}x{mdl} needs {d * mdl} devices but {n_devices} are present: "
-                        "set --mesh.data and --mesh.model so their product is the device count")
-    checks = [("data.batch_size", cfg.data.batch_size, "mesh.data", d),
-              ("model.d_model", m.d_model, "mesh.data", d),
-              ("model.n_kv_heads", m.n_kv_heads, "mesh.model", mdl),
-              ("model.d_ff", m.d_ff, "mesh.model", mdl),
-              ("model.vocab_size", m.vocab_size, "mesh.model", mdl)]
-    for name, value, axis, size in checks:
-        if value % size:
-            raise UserError(f"{name}={value} is not divisible by {axis}={size}: "
-                            f"change one of them")
+def setup_mesh(cfg: TrainConfig, devices) -> jax.sharding.Mesh:
+    """The mesh of cfg.mesh over `devices`, once the model and batch are known to fit on it."""
+    check_fits(cfg.mesh, cfg.model, cfg.data.batch_size, len(devices))
+    return make_mesh(cfg.mesh, devices)
 
 
-def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
-    return jax.make_mesh((cfg.data, cfg.model), ("data", "model"),
-                         axis_types=(AxisType.Explicit, AxisType.Explicit), devices=devices)
+def load_data(cfg: TrainConfig) -> TokenData:
+    try:
+        return TokenData(cfg.data, cfg.model.vocab_size)
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
-def init_state(cfg: TrainConfig, tx) -> dict:
-    params = init_params(cfg.model, jax.random.key(cfg.seed))
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
-
-
-def state_specs(cfg: ModelConfig, abstract_state) -> dict:
-    """Every state leaf's PartitionSpec, from the parameter table: a param, and any optimizer
-    leaf that mirrors one (Adam's mu and nu end in the param's path and shape), takes the
-    param's spec; everything else (counts, histories, scalars) is replicated."""
-    table = {tuple(k.split("/")): s for k, s in param_table(cfg).items()}
-
-    def spec(path, leaf):
-        names = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
-        for i in range(len(names)):
-            s = table.get(names[i:])
-            if s is not None and s.shape == leaf.shape:
-                return logical_to_spec(s.axes)
-        return P()
-    return jax.tree_util.tree_map_with_path(spec, abstract_state)
-
-
-def abstract_state(cfg: TrainConfig, tx, mesh) -> dict:
-    """ShapeDtypeStructs carrying the target shardings: the orbax restore target, and the
-    out_shardings of init. Allocates nothing."""
-    shapes = jax.eval_shape(lambda: init_state(cfg, tx))
-    specs = state_specs(cfg.model, shapes)
-    return jax.tree.map(lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype,
-                                                          sharding=jax.NamedSharding(mesh, p)),
-                        shapes, specs)
-
-
-def fresh_state(cfg: TrainConfig, tx, target) -> dict:
-    """A new train state, created directly in the shardings `target` (abstract_state) carries."""
-    shardings = jax.tree.map(lambda s: s.sharding, target)
-    return jax.jit(lambda: init_state(cfg, tx), out_shardings=shardings)()
-
-
-def per_device_bytes(cfg: TrainConfig, tx) -> tuple[int, int]:
-    """(total, per-device) bytes of params + optimizer state for cfg.mesh, by arithmetic on the
-    shapes and specs: needs neither the devices nor the memory."""
-    shapes = jax.eval_shape(lambda: init_state(cfg, tx))
-    sizes = {"data": cfg.mesh.data, "model": cfg.mesh.model}
-    total = per_device = 0
-    for s, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(state_specs(cfg.model, shapes))):
-        total += math.prod(s.shape) * s.dtype.itemsize
-        shard = [dim // (sizes[a] if a else 1) for dim, a in
-                 zip(s.shape, tuple(spec) + (None,) * (len(s.shape) - len(spec)))]
-        per_device += math.prod(shard) * s.dtype.itemsize
-    return total, per_device
+def make_tx(cfg: TrainConfig):
+    return make_optimizer(cfg.optim, cfg.steps, decay_mask(cfg.model))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,76 +221,11 @@ def make_eval_step(cfg: TrainConfig):
 
 
 # ---------------------------------------------------------------------------------------------
-# Run directory: config.json, metrics.jsonl, checkpoints/
-
-def checkpoint_manager(run_dir: pathlib.Path, cfg: TrainConfig, read_only: bool = False
-                       ) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints,
-                                           enable_async_checkpointing=True,
-                                           create=not read_only, read_only=read_only)
-    return ocp.CheckpointManager(run_dir.absolute() / "checkpoints", options=options)
-
-
-def save_checkpoint(mngr, step: int, state, cfg: TrainConfig) -> None:
-    meta = {"step": step, "config": dataclasses.asdict(cfg), "time": time.time()}
-    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                             meta=ocp.args.JsonSave(meta)), force=True)
-
-
-def restore_checkpoint(mngr, step: int, target) -> dict:
-    restored = mngr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target)))
-    return restored["state"]
-
-
-def check_run_dir(run_dir: pathlib.Path, cfg: TrainConfig) -> None:
-    """A run directory holds one run: its config.json must agree with the flags given."""
-    path = run_dir / "config.json"
-    if not path.exists():
-        if run_dir.exists() and not run_dir.is_dir():
-            raise UserError(f"--run-dir {run_dir} exists and is not a directory")
-        return
-    try:
-        stored = flatten(json.loads(path.read_text()))
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{path} is unreadable ({e}): fix it or use a new --run-dir") from None
-    given = flatten(dataclasses.asdict(cfg))
-    diffs = [f"{k} (run has {stored.get(k)!r}, flags give {given.get(k)!r})"
-             for k in sorted(set(stored) | set(given))
-             if k not in RESUMABLE and stored.get(k) != given.get(k)]
-    if diffs:
-        raise UserError(f"{run_dir} holds a run with a different config: {'; '.join(diffs)}. "
-                        "Pass the same flags to resume, or use a new --run-dir")
-
-
-def make_writable(run_dir: pathlib.Path, cfg: TrainConfig) -> None:
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = run_dir / "config.json.tmp"
-        tmp.write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-        tmp.replace(run_dir / "config.json")
-    except OSError as e:
-        raise UserError(f"cannot write to --run-dir {run_dir}: {e.strerror}; "
-                        "choose a writable directory") from None
-
-
-def to_host(metrics: dict) -> dict:
-    """Device metrics -> JSON-ready floats and lists."""
-    return {k: (v.tolist() if v.ndim else v.item()) for k, v in jax.device_get(metrics).items()}
-
-
-def fmt_time(seconds: float) -> str:
-    m, s = divmod(int(seconds), 60)
-    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
-
-
-# ---------------------------------------------------------------------------------------------
 # The loop
 
 def dry_run(cfg: TrainConfig) -> None:
-    tx = make_optimizer(cfg.optim, cfg.steps, decay_mask(cfg.model))
-    check_fits(cfg, None)
-    total, per_device = per_device_bytes(cfg, tx)
+    check_fits(cfg.mesh, cfg.model, cfg.data.batch_size, None)
+    total, per_device = per_device_bytes(cfg.model, make_tx(cfg), dataclasses.asdict(cfg.mesh))
     n = count_params(cfg.model)
     print(f"parameters          {n:,} ({n / 1e9:.2f}B)")
     print(f"FLOPs per token     {flops_per_token(cfg.model, cfg.data.seq_len):.3e} "
@@ -410,59 +250,74 @@ class StopRequested:
               flush=True)
 
 
+class Log:
+    """metrics.jsonl (process 0) and the progress line; counts non-finite steps in a row."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: pathlib.Path, start: int):
+        self.cfg, self.start, self.nonfinite = cfg, start, 0
+        self.file = open(run_dir / "metrics.jsonl", "a") if jax.process_index() == 0 else None
+        self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+        self.t_start = self.t_prev = time.perf_counter()
+        self.t_first = None  # the first record's time: the average excludes the compile
+        self.shown = (start - 1, self.t_start)  # the step and time of the last progress line
+
+    def record(self, step: int, metrics: dict) -> dict:
+        now = time.perf_counter()
+        self.t_first = self.t_first or now
+        m = {"step": step, **{k: (v.tolist() if v.ndim else v.item())
+                              for k, v in jax.device_get(metrics).items()},
+             "tokens_per_s": self.tokens_per_step / (now - self.t_prev)}
+        self.t_prev = now
+        if self.file:
+            self.file.write(strict_json(m) + "\n")
+            self.file.flush()
+        if step % self.cfg.log_every == 0 or "eval_loss" in m:
+            eta = (now - self.t_start) / (step + 1 - self.start) * (self.cfg.steps - step - 1)
+            rate = self.tokens_per_step * (step - self.shown[0]) / (now - self.shown[1])
+            self.shown = (step, now)
+            ev = f" | eval {m['eval_loss']:.4f}" if "eval_loss" in m else ""
+            say(f"step {step:>6}/{self.cfg.steps} | loss {m['loss']:.4f}{ev} | "
+                f"grad {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
+                f"logit max {max(m['attn_logit_max']):.1f} | "
+                f"{rate / 1e3:.1f}k tok/s | ETA {fmt_time(eta)}", flush=True)
+        finite = math.isfinite(m["loss"] + m["grad_norm"])
+        self.nonfinite = 0 if finite else self.nonfinite + 1
+        return m
+
+    def average_tokens_per_s(self, last_step: int) -> float:
+        return self.tokens_per_step * (last_step - self.start) / (self.t_prev - self.t_first)
+
+
+def fmt_time(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
+
+
 def train(cfg: TrainConfig, devices=None) -> dict:
     """Train (or resume) in cfg.run_dir on `devices` (default: all); returns the last step's
     metrics. Raises UserError before writing anything if the config, data or run dir is bad."""
     if cfg.dry_run:
         dry_run(cfg)
         return {}
-    devices = devices or jax.devices()
-    check_fits(cfg, len(devices))
+    mesh = setup_mesh(cfg, devices or jax.devices())
     run_dir = pathlib.Path(cfg.run_dir)
-    check_run_dir(run_dir, cfg)
-    try:
-        data = TokenData(cfg.data, cfg.model.vocab_size)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    mesh = make_mesh(cfg.mesh, devices)
-    tx = make_optimizer(cfg.optim, cfg.steps, decay_mask(cfg.model))
-    target = abstract_state(cfg, tx, mesh)
-    saved = (run_dir / "checkpoints").is_dir()
-    mngr = checkpoint_manager(run_dir, cfg) if saved else None
-    steps_saved = list(mngr.all_steps()) if saved else []
-    if cfg.resume_step is not None and cfg.resume_step not in steps_saved:
-        raise UserError(f"no checkpoint at step {cfg.resume_step} in {run_dir}; "
-                        f"saved steps: {steps_saved or 'none'}")
-    start = cfg.resume_step if cfg.resume_step is not None else max(steps_saved, default=None)
-
+    stored = load_config(run_dir)
+    if stored is not None:
+        check_same_run(stored, cfg)
+    data = load_data(cfg)
+    tx = make_tx(cfg)
+    target = abstract_state(cfg.model, tx, mesh)
     with jax.set_mesh(mesh):
-        if start is not None:
-            try:
-                state = restore_checkpoint(mngr, start, target)
-            except Exception as e:  # a damaged checkpoint: name it, never start fresh over it
-                older = [s for s in steps_saved if s < start]
-                hint = (f"resume from an older one with --resume-step {older[-1]}" if older
-                        else "no older checkpoint exists")
-                raise UserError(f"checkpoint at step {start} in {run_dir} is unreadable "
-                                f"({type(e).__name__}): {hint}") from None
-            say(f"resumed {run_dir} at step {start}")
-            later = [s for s in steps_saved if s > start]
-            if later:  # --resume-step went back: keep the later checkpoints, out of the way
-                aside = run_dir / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}"
-                aside.mkdir()
-                for s in later:
-                    (run_dir / "checkpoints" / str(s)).rename(aside / str(s))
-                say(f"moved the later checkpoints {later} aside to {aside}")
-                mngr = checkpoint_manager(run_dir, cfg)
-        else:
-            state = fresh_state(cfg, tx, target)
+        mngr, state = resume(run_dir, target, cfg.keep_checkpoints, cfg.resume_step, say)
+        if state is None:
+            state = fresh_state(cfg.model, cfg.seed, tx, target)
             n = count_params(cfg.model)
             say(f"new run {run_dir}: {n / 1e6:.2f}M params, {cfg.steps} steps, "
                 f"mesh {cfg.mesh.data}x{cfg.mesh.model} on {jax.process_count()} process(es), "
                 f"{data.train.size:,} training tokens")
         if jax.process_index() == 0:
-            make_writable(run_dir, cfg)
-        mngr = mngr or checkpoint_manager(run_dir, cfg)
+            write_config(run_dir, dataclasses.asdict(cfg))
+        mngr = mngr or checkpoint_manager(run_dir, cfg.keep_checkpoints)
         return run_loop(cfg, tx, state, data, mesh, mngr, run_dir)
 
 
@@ -475,85 +330,50 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir) -> dict:
         return jax.make_array_from_process_local_data(batch_sharding, tokens)
 
     eval_tokens = put(data.eval_batch(rows))
-    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     stop = StopRequested()
-    log = open(run_dir / "metrics.jsonl", "a") if jax.process_index() == 0 else None
     start = int(state["step"])
-    prev, last, consecutive_skips, t_first = None, {}, 0, None
-    t_start = t_prev = time.perf_counter()
-    shown = (start - 1, t_start)  # the step and time of the last progress line
-
-    def record(step, metrics):  # called with step s-1's metrics after step s is dispatched
-        nonlocal t_prev, consecutive_skips, t_first, shown
-        now = time.perf_counter()
-        t_first = t_first or now  # throughput is averaged from here: the compile is excluded
-        m = {"step": step, **to_host(metrics), "tokens_per_s": tokens_per_step / (now - t_prev)}
-        t_prev = now
-        if log:
-            log.write(json.dumps(m) + "\n")
-            log.flush()
-        if step % cfg.log_every == 0 or "eval_loss" in m:
-            done = step + 1 - start
-            eta = (now - t_start) / done * (cfg.steps - step - 1)
-            rate = tokens_per_step * (step - shown[0]) / (now - shown[1])  # since the last line
-            shown = (step, now)
-            ev = f" | eval {m['eval_loss']:.4f}" if "eval_loss" in m else ""
-            say(f"step {step:>6}/{cfg.steps} | loss {m['loss']:.4f}{ev} | "
-                f"grad {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
-                f"logit max {max(m['attn_logit_max']):.1f} | "
-                f"{rate / 1e3:.1f}k tok/s | ETA {fmt_time(eta)}", flush=True)
-        consecutive_skips = consecutive_skips + 1 if not math.isfinite(m["loss"] + m[
-            "grad_norm"]) else 0
-        return m
-
+    log = Log(cfg, run_dir, start)
+    prev, last = None, {}
     for step in range(start, cfg.steps):
-        state, metrics = train_step(state, put(data.batch(step, rows)))
+        state, metrics = train_step(state, put(data.batch(step, rows)))  # dispatch: async
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
             metrics["eval_loss"] = eval_step(state["params"], eval_tokens)
+        # NOTE: step s-1's metrics are read only now, after step s is dispatched: reading step
+        # s's would make the host wait for the device, which would then idle while the host
+        # logs and builds the next batch.
         if prev is not None:
-            last = record(*prev)
-            if consecutive_skips >= cfg.max_consecutive_skips:
+            last = log.record(*prev)
+            if log.nonfinite >= cfg.max_consecutive_nonfinite:
                 mngr.wait_until_finished()
-                print(f"stopping: {consecutive_skips} non-finite steps in a row (last at step "
+                print(f"stopping: {log.nonfinite} non-finite steps in a row (last at step "
                       f"{prev[0]}); parameters were left unchanged by them. Last checkpoint: "
                       f"step {mngr.latest_step()} in {run_dir}", file=sys.stderr)
                 sys.exit(1)
         prev = (step, metrics)
         if done % cfg.checkpoint_every == 0 or done == cfg.steps or stop.signal:
-            save_checkpoint(mngr, done, state, cfg)
+            save_checkpoint(mngr, done, state, dataclasses.asdict(cfg))
         if stop.signal:
             break
     if prev is not None:
-        last = record(*prev)
+        last = log.record(*prev)
         if last["step"] > start:
-            last["avg_tokens_per_s"] = tokens_per_step * (last["step"] - start) / (t_prev - t_first)
+            last["avg_tokens_per_s"] = log.average_tokens_per_s(last["step"])
     mngr.wait_until_finished()
     if stop.signal:
         print(f"saved step {prev[0] + 1} to {run_dir}; resume with the same command")
         sys.exit(128 + stop.signal)
-    if log:
-        log.close()
-        from report import find_spikes, read_metrics, spike_table  # report.py imports train
+    if log.file:
+        log.file.close()
         print(spike_table(find_spikes(read_metrics(run_dir)), str(run_dir)))
     return last
 
 
-def process_rows(sharding, batch_size: int) -> slice:
-    """This process's rows of the global batch: those its own devices hold under `sharding`
-    (all of them on one process)."""
-    rows = [i[0] for i in sharding.addressable_devices_indices_map((batch_size, 1)).values()]
-    return slice(min(r.start or 0 for r in rows), max(r.stop or batch_size for r in rows))
-
-
+@command
 def main(argv: list[str]) -> int:
-    try:
-        cfg = parse_config(argv)
-        start_distributed(cfg.dist)
-        last = train(cfg)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = parse_config(argv)
+    start_distributed(cfg.dist)
+    last = train(cfg)
     if last:
         say(f"done: step {last['step'] + 1}, held-out loss {last['eval_loss']:.4f} "
             f"nats/token, {last.get('avg_tokens_per_s', 0):.0f} tokens/s on average")

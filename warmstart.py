@@ -10,13 +10,12 @@ scales at 1 with zero moments, the LR re-warmed from 0.1 x peak to peak over 1,0
 
 The target config is the source's `config.json` with `model.qk_norm` on, a re-warmup starting at
 the checkpoint's step, and any train.py flag given after these (`--steps`, `--optim.*`,
-`--mesh.*`, `--data.skip-steps A:B`, ...). NEW_RUN gets that config and a checkpoint at the same
+`--mesh.*`, `--data.replace-batches A:B`, ...). NEW_RUN gets that config and a checkpoint at the same
 step holding the converted state; training then continues there exactly as a plain resume would.
 The source run directory is only read.
 """
 
 import dataclasses
-import json
 import pathlib
 import sys
 import time
@@ -25,12 +24,10 @@ from typing import Annotated
 import jax
 import tyro
 
-from data import TokenData
-from model import decay_mask
-from optim import lr_schedule, make_optimizer
-from train import (TrainConfig, UserError, abstract_state, checkpoint_manager, check_fits,
-                   cli, config_from_dict, init_state, make_eval_step, make_mesh, make_writable,
-                   parse_flags, restore_checkpoint, save_checkpoint, train)
+import checkpoint
+import train
+from cli import UserError, command, parse
+from optim import lr_schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,22 +42,22 @@ class WarmStartArgs:
 
 def parse_args(argv: list[str]) -> tuple[WarmStartArgs, list[str]]:
     try:
-        return cli(WarmStartArgs, argv, return_unknown_args=True, description=__doc__)
+        return parse(WarmStartArgs, argv, return_unknown_args=True, description=__doc__)
     except UserError as e:
         raise UserError(f"{e} (usage: warmstart.py --from RUN --to NEW_RUN [--step S] "
                         "[--rewarmup-steps K] [--rewarmup-from-ratio R] [--no-train] "
                         "[train.py flags])") from None
 
 
-def target_config(source: TrainConfig, args: WarmStartArgs, step: int,
-                  overrides: list[str]) -> TrainConfig:
+def target_config(source: train.TrainConfig, args: WarmStartArgs, step: int,
+                  overrides: list[str]) -> train.TrainConfig:
     """Source config + QK-Norm + re-warmup at `step`, then the user's train.py flags."""
     optim = dataclasses.replace(source.optim, rewarmup_start=step,
                                 rewarmup_steps=args.rewarmup_steps,
                                 rewarmup_from_ratio=args.rewarmup_from_ratio)
     default = dataclasses.replace(source, model=dataclasses.replace(source.model, qk_norm=True),
                                   optim=optim, run_dir=args.to, resume_step=None)
-    return parse_flags(default, overrides)
+    return train.parse_flags(default, overrides)
 
 
 def carry(source_state, target, init_new) -> tuple[dict, list, list, list]:
@@ -92,7 +89,7 @@ def carry(source_state, target, init_new) -> tuple[dict, list, list, list]:
     return state, carried, new, dropped
 
 
-def init_new_leaves(cfg: TrainConfig, tx, target):
+def init_new_leaves(cfg: train.TrainConfig, tx, target):
     """`keys -> {key: fresh value}` for some leaves of a new train state, computed alone (XLA
     drops the rest of the init) and placed in the shardings `target` carries."""
     def init_new(keys):
@@ -102,80 +99,69 @@ def init_new_leaves(cfg: TrainConfig, tx, target):
                      for p, x in jax.tree_util.tree_leaves_with_path(target)}
 
         def init():
-            leaves = jax.tree_util.tree_leaves_with_path(init_state(cfg, tx))
+            state = checkpoint.init_state(cfg.model, cfg.seed, tx)
+            leaves = jax.tree_util.tree_leaves_with_path(state)
             return {k: x for p, x in leaves if (k := jax.tree_util.keystr(p)) in keys}
         return jax.jit(init, out_shardings={k: shardings[k] for k in keys})()
     return init_new
 
 
-def load_source(run: pathlib.Path, step: int | None):
-    """(config, checkpoint manager opened read-only, step) of a source run directory."""
-    if not (run / "config.json").is_file():
+def load_source(run: pathlib.Path, step: int | None) -> tuple[train.TrainConfig, int]:
+    """(config, step) of a source run directory's checkpoint (default: the latest)."""
+    cfg = train.load_config(run)
+    if cfg is None:
         raise UserError(f"--from {run}: no config.json there; give a train.py run directory")
-    try:
-        cfg = config_from_dict(json.loads((run / "config.json").read_text()))
-    except (ValueError, TypeError) as e:
-        raise UserError(f"--from {run}: config.json is not a spikefix config ({e})") from None
     if cfg.model.qk_norm:
         raise UserError(f"--from {run} already has QK-Norm (model.qk_norm is true): nothing to "
                         "insert; resume it with train.py instead")
-    steps = []
-    if (run / "checkpoints").is_dir():
-        mngr = checkpoint_manager(run, cfg, read_only=True)
-        steps = list(mngr.all_steps())
+    steps = checkpoint.saved_steps(run)
     if not steps:
         raise UserError(f"--from {run} has no checkpoint: train it first")
     if step is not None and step not in steps:
         raise UserError(f"--from {run} has no checkpoint at step {step}; it has {steps}")
-    return cfg, mngr, step if step is not None else max(steps)
+    return cfg, step if step is not None else steps[-1]
 
 
-def convert_checkpoint(src_mngr, step: int, src_cfg: TrainConfig, cfg: TrainConfig, mesh,
-                       dst_run: pathlib.Path):
+def convert_checkpoint(src_run: pathlib.Path, step: int, src_cfg: train.TrainConfig,
+                       cfg: train.TrainConfig, mesh, dst_run: pathlib.Path):
     """The surgery: restore the source state onto `mesh`, carry it into cfg's state, save it to
     dst_run at the same step. Returns (source state, converted state, carried, new, dropped)."""
-    # The source state is restored straight onto the target mesh, whatever mesh wrote it.
-    src_on_mesh = dataclasses.replace(src_cfg, mesh=cfg.mesh)
-    src_tx = make_optimizer(src_cfg.optim, src_cfg.steps, decay_mask(src_cfg.model))
-    tx = make_optimizer(cfg.optim, cfg.steps, decay_mask(cfg.model))
-    try:
-        source = restore_checkpoint(src_mngr, step, abstract_state(src_on_mesh, src_tx, mesh))
+    src_tx, tx = train.make_tx(src_cfg), train.make_tx(cfg)
+    src_mngr = checkpoint.checkpoint_manager(src_run, read_only=True)
+    try:  # restored straight onto the target mesh, whatever mesh wrote it
+        source = checkpoint.restore_checkpoint(
+            src_mngr, step, checkpoint.abstract_state(src_cfg.model, src_tx, mesh))
     except Exception as e:
-        raise UserError(f"checkpoint at step {step} in {src_mngr.directory.parent} is unreadable "
+        raise UserError(f"checkpoint at step {step} in {src_run} is unreadable "
                         f"({type(e).__name__}); pick another with --step") from None
-    target = abstract_state(cfg, tx, mesh)
+    target = checkpoint.abstract_state(cfg.model, tx, mesh)
     state, carried, new, dropped = carry(source, target, init_new_leaves(cfg, tx, target))
-    make_writable(dst_run, cfg)
-    mngr = checkpoint_manager(dst_run, cfg)
-    save_checkpoint(mngr, step, state, cfg)
+    checkpoint.write_config(dst_run, dataclasses.asdict(cfg))
+    mngr = checkpoint.checkpoint_manager(dst_run, cfg.keep_checkpoints)
+    checkpoint.save_checkpoint(mngr, step, state, dataclasses.asdict(cfg))
     mngr.wait_until_finished()
     return source, state, carried, new, dropped
 
 
-def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> TrainConfig:
+def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> train.TrainConfig:
     """Write NEW_RUN with the converted checkpoint; print what happened. Returns its config."""
     src_run, dst_run = pathlib.Path(args.source), pathlib.Path(args.to)
     if dst_run.exists() and (not dst_run.is_dir() or any(dst_run.iterdir())):
         raise UserError(f"--to {dst_run} exists and is not empty: choose a new directory")
-    src_cfg, src_mngr, step = load_source(src_run, args.step)
+    src_cfg, step = load_source(src_run, args.step)
     cfg = target_config(src_cfg, args, step, overrides)
-    devices = devices or jax.devices()
-    check_fits(cfg, len(devices))
+    mesh = train.setup_mesh(cfg, devices or jax.devices())
     if not cfg.model.qk_norm:
         raise UserError("warmstart.py inserts QK-Norm: do not pass --model.no-qk-norm")
-    try:
-        held_out = TokenData(cfg.data, cfg.model.vocab_size).eval_batch()
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    mesh = make_mesh(cfg.mesh, devices)
+    held_out = train.load_data(cfg).eval_batch()
     with jax.set_mesh(mesh):
         t0 = time.perf_counter()
-        source, state, carried, new, dropped = convert_checkpoint(src_mngr, step, src_cfg, cfg,
+        source, state, carried, new, dropped = convert_checkpoint(src_run, step, src_cfg, cfg,
                                                                   mesh, dst_run)
         seconds = time.perf_counter() - t0
         tokens = jax.device_put(held_out, jax.NamedSharding(mesh, jax.P("data")))
-        loss_before = float(make_eval_step(src_cfg)(source["params"], tokens))  # model only
-        loss_after = float(make_eval_step(cfg)(state["params"], tokens))
+        loss_before = float(train.make_eval_step(src_cfg)(source["params"], tokens))
+        loss_after = float(train.make_eval_step(cfg)(state["params"], tokens))
 
     print(f"{'leaf':<64} {'shape':<20} status")
     for rows, status in ((carried, "carried"), (new, "NEW"), (dropped, "dropped")):
@@ -192,16 +178,13 @@ def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> TrainCon
     return cfg
 
 
+@command
 def main(argv: list[str]) -> int:
-    try:
-        args, overrides = parse_args(argv)
-        cfg = convert(args, overrides)
-        if not args.no_train:
-            last = train(cfg)
-            print(f"done: step {last['step'] + 1}, held-out loss {last['eval_loss']:.4f}")
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args, overrides = parse_args(argv)
+    cfg = convert(args, overrides)
+    if not args.no_train:
+        last = train.train(cfg)
+        print(f"done: step {last['step'] + 1}, held-out loss {last['eval_loss']:.4f}")
     return 0
 
 

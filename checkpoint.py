@@ -1,0 +1,191 @@
+"""The run directory and the sharded train state: config.json, metrics.jsonl, orbax checkpoints.
+
+    target = abstract_state(model_cfg, tx, mesh)           # shapes + shardings, nothing allocated
+    mngr, state = resume(run_dir, target, keep=3)           # the latest checkpoint, or None
+    state = state or fresh_state(model_cfg, seed, tx, target)
+    save_checkpoint(mngr, step, state, config)              # async; config is a plain dict
+
+A run directory holds one run:
+
+    config.json      the full config, written once the config, data and directory are checked
+    metrics.jsonl    one JSON object per step (strict JSON: a non-finite number is written null)
+    checkpoints/N/   orbax: the train state after N steps, plus JSON metadata
+    superseded-*/    checkpoints that --resume-step moved out of the way (never deleted)
+
+The train state is {"step", "params", "opt_state"}. Every leaf's sharding comes from the
+parameter table in model.py: a parameter, and any optimizer leaf that mirrors one (Adam's moments),
+takes the parameter's spec; everything else is replicated.
+"""
+
+import json
+import math
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from jax import P
+
+from cli import UserError
+from model import ModelConfig, init_params, logical_to_spec, param_table
+
+
+# ---------------------------------------------------------------------------------------------
+# The sharded train state
+
+def init_state(cfg: ModelConfig, seed: int, tx) -> dict:
+    params = init_params(cfg, jax.random.key(seed))
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+
+def state_specs(cfg: ModelConfig, abstract) -> dict:
+    """Every state leaf's PartitionSpec, from the parameter table: a param, and any optimizer
+    leaf that mirrors one (Adam's mu and nu end in the param's path and shape), takes the
+    param's spec; everything else (counts, histories, scalars) is replicated."""
+    table = {tuple(k.split("/")): s for k, s in param_table(cfg).items()}
+
+    def spec(path, leaf):
+        names = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+        for i in range(len(names)):
+            s = table.get(names[i:])
+            if s is not None and s.shape == leaf.shape:
+                return logical_to_spec(s.axes)
+        return P()
+    return jax.tree_util.tree_map_with_path(spec, abstract)
+
+
+def abstract_state(cfg: ModelConfig, tx, mesh) -> dict:
+    """ShapeDtypeStructs carrying the target shardings: the orbax restore target, and the
+    out_shardings of init. Allocates nothing."""
+    shapes = jax.eval_shape(lambda: init_state(cfg, 0, tx))
+    specs = state_specs(cfg, shapes)
+    return jax.tree.map(lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                          sharding=jax.NamedSharding(mesh, p)),
+                        shapes, specs)
+
+
+def fresh_state(cfg: ModelConfig, seed: int, tx, target) -> dict:
+    """A new train state, created directly in the shardings `target` (abstract_state) carries."""
+    shardings = jax.tree.map(lambda s: s.sharding, target)
+    return jax.jit(lambda: init_state(cfg, seed, tx), out_shardings=shardings)()
+
+
+def per_device_bytes(cfg: ModelConfig, tx, mesh_sizes: dict[str, int]) -> tuple[int, int]:
+    """(total, per-device) bytes of params + optimizer state on a mesh of `mesh_sizes`
+    ({"data": 256, "model": 4}), by arithmetic on the shapes and specs: needs neither the
+    devices nor the memory."""
+    shapes = jax.eval_shape(lambda: init_state(cfg, 0, tx))
+    total = per_device = 0
+    for s, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(state_specs(cfg, shapes))):
+        total += math.prod(s.shape) * s.dtype.itemsize
+        shard = [dim // (mesh_sizes[a] if a else 1) for dim, a in
+                 zip(s.shape, tuple(spec) + (None,) * (len(s.shape) - len(spec)))]
+        per_device += math.prod(shard) * s.dtype.itemsize
+    return total, per_device
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json and metrics.jsonl
+
+def read_config(run_dir: pathlib.Path) -> dict | None:
+    """The stored config of a run directory as a dict; None if it holds no config.json."""
+    path = run_dir / "config.json"
+    if not path.exists():
+        if run_dir.exists() and not run_dir.is_dir():
+            raise UserError(f"{run_dir} exists and is not a directory")
+        return None
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path} is unreadable: not a spikefix config ({e})") from None
+    if not isinstance(stored, dict):
+        raise UserError(f"{path} is not a spikefix config (a JSON object of settings)")
+    return stored
+
+
+def write_config(run_dir: pathlib.Path, config: dict) -> None:
+    """config.json, written whole (a temporary file renamed into place)."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = run_dir / "config.json.tmp"
+        tmp.write_text(json.dumps(config, indent=2))
+        tmp.replace(run_dir / "config.json")
+    except OSError as e:
+        raise UserError(f"cannot write to --run-dir {run_dir}: {e.strerror}; "
+                        "choose a writable directory") from None
+
+
+def strict_json(record: dict) -> str:
+    """One JSON line; NaN and +-inf become null (json.dumps would write the non-standard
+    NaN / Infinity tokens that strict readers reject)."""
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        return [clean(x) for x in v] if isinstance(v, list) else v
+    return json.dumps({k: clean(v) for k, v in record.items()}, allow_nan=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Orbax checkpoints
+
+def checkpoint_manager(run_dir: pathlib.Path, keep: int = 3, read_only: bool = False
+                       ) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
+                                           create=not read_only, read_only=read_only)
+    return ocp.CheckpointManager(run_dir.absolute() / "checkpoints", options=options)
+
+
+def saved_steps(run_dir: pathlib.Path) -> list[int]:
+    """The steps of the complete checkpoints in a run directory, oldest first."""
+    if not (run_dir / "checkpoints").is_dir():
+        return []
+    return sorted(checkpoint_manager(run_dir, read_only=True).all_steps())
+
+
+def save_checkpoint(mngr, step: int, state, config: dict) -> None:
+    meta = {"step": step, "config": config, "time": time.time()}
+    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                             meta=ocp.args.JsonSave(meta)), force=True)
+
+
+def restore_checkpoint(mngr, step: int, target) -> dict:
+    """The train state saved at `step`, restored straight into the shardings `target` carries
+    (whatever mesh wrote it)."""
+    restored = mngr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target)))
+    return restored["state"]
+
+
+def resume(run_dir: pathlib.Path, target, keep: int, resume_step: int | None = None,
+           announce=print) -> tuple[ocp.CheckpointManager | None, dict | None]:
+    """(manager, state) restored from the latest checkpoint of run_dir, or from `resume_step`;
+    (None, None) if there is none. Going back with `resume_step` moves the later checkpoints
+    aside to superseded-TIME/, never deleting them. A damaged checkpoint is a UserError
+    naming an older one to fall back to: the run never starts fresh over it."""
+    steps = saved_steps(run_dir)
+    if resume_step is not None and resume_step not in steps:
+        raise UserError(f"no checkpoint at step {resume_step} in {run_dir}; "
+                              f"saved steps: {steps or 'none'}")
+    if not steps:
+        return None, None
+    start = resume_step if resume_step is not None else steps[-1]
+    mngr = checkpoint_manager(run_dir, keep)
+    try:
+        state = restore_checkpoint(mngr, start, target)
+    except Exception as e:  # a damaged checkpoint: name it, never start fresh over it
+        older = [s for s in steps if s < start]
+        hint = (f"resume from an older one with --resume-step {older[-1]}" if older
+                else "no older checkpoint exists")
+        raise UserError(f"checkpoint at step {start} in {run_dir} is unreadable "
+                              f"({type(e).__name__}): {hint}") from None
+    announce(f"resumed {run_dir} at step {start}")
+    later = [s for s in steps if s > start]
+    if later:  # --resume-step went back: keep the later checkpoints, out of the way
+        aside = run_dir / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}"
+        aside.mkdir()
+        for s in later:
+            (run_dir / "checkpoints" / str(s)).rename(aside / str(s))
+        announce(f"moved the later checkpoints {later} aside to {aside}")
+        mngr = checkpoint_manager(run_dir, keep)
+    return mngr, state

@@ -1,0 +1,56 @@
+"""What every command shares: one `UserError`, tyro parsing that fails in one line, `command`.
+
+    @command                            # a UserError -> "error: ..." on stderr, exit 2
+    def main(argv: list[str]) -> int:
+        args = parse(Args, argv)        # a bad flag raises UserError, one line
+        ...
+
+A user mistake (a bad flag, a missing file, a run directory that holds another run) ends with
+one line naming the problem and the fix, and exit status 2; never a traceback.
+"""
+
+import contextlib
+import functools
+import io
+import re
+import sys
+
+import tyro
+
+
+class UserError(Exception):
+    """A mistake in the command line, the data or the run directory: one line, exit 2."""
+
+
+def parse(cls, args: list[str], **kwargs):
+    """tyro.cli, with a parse error raised as a one-line UserError (--help still prints)."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return tyro.cli(cls, args=args, **kwargs)
+    except SystemExit as e:
+        if e.code:  # tyro draws a box around parse errors; a user error here is one line
+            raise UserError(one_line(err.getvalue())) from None
+        raise
+
+
+def one_line(tyro_message: str) -> str:
+    """tyro's boxed error (a title line, the message, a help pointer) as one line."""
+    lines = [line.strip(" │╭╮╰╯─-") for line in tyro_message.splitlines()]
+    lines = [line for line in lines if line and not line.startswith("For full helptext")]
+    text = " ".join(" ".join(lines[1:] or lines).split())
+    return re.sub(r"Error parsing (--\S+|[\w.]+): ", lambda m: m[1] + ": " if m[1][0] == "-"
+                  else "", text)
+
+
+def command(main):
+    """Decorate a command's `main(argv) -> int`: a UserError is printed as one line and
+    becomes exit status 2."""
+    @functools.wraps(main)
+    def guarded(argv: list[str]) -> int:
+        try:
+            return main(argv)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    return guarded

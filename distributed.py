@@ -1,0 +1,96 @@
+"""Processes, devices and the mesh: joining a multi-process run, the ("data", "model") mesh,
+whether a model and batch fit on it, and which rows of a batch this process holds.
+
+    start_distributed(DistConfig(...))      # before any device is touched; no-op for 1 process
+    check_fits(mesh_cfg, model_cfg, batch_size, len(jax.devices()))
+    mesh = make_mesh(mesh_cfg)              # explicit axis types: jax.make_mesh + jax.set_mesh
+
+Parameters are FSDP-sharded over "data" and tensor-parallel over "model"; the batch is split
+over "data". Which parameter dimension goes on which axis is declared once, in model.py.
+"""
+
+import dataclasses
+import os
+
+import jax
+from jax.sharding import AxisType
+
+from cli import UserError
+from model import LOGICAL_TO_MESH, ModelConfig, param_table
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = 1  # batch split and FSDP over this axis
+    model: int = 1  # tensor parallelism over heads / ffw / vocab
+
+
+@dataclasses.dataclass(frozen=True)
+class DistConfig:
+    """Several processes (one per host, or per GPU): JAX's multi-controller runtime. Fields left
+    unset come from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID; with
+    --dist.auto JAX detects them itself on SLURM, Open MPI, Cloud TPU and GKE."""
+    coordinator: str = ""  # host:port of process 0
+    num_processes: int = 0  # 0: $JAX_NUM_PROCESSES, else 1 (a single process)
+    process_id: int = -1  # -1: $JAX_PROCESS_ID
+    auto: bool = False  # jax.distributed.initialize() with cluster auto-detection
+
+
+
+def start_distributed(cfg: DistConfig) -> None:
+    """Join the other processes of a multi-process run (before any JAX device is touched); a
+    single process does nothing. Every process then sees all devices of all processes."""
+    if cfg.auto:
+        jax.distributed.initialize()
+        return
+    env = os.environ
+    n = cfg.num_processes or int(env.get("JAX_NUM_PROCESSES", 1))
+    if n <= 1:
+        return
+    coordinator = cfg.coordinator or env.get("JAX_COORDINATOR_ADDRESS", "")
+    pid = cfg.process_id if cfg.process_id >= 0 else int(env.get("JAX_PROCESS_ID", -1))
+    if not coordinator or not 0 <= pid < n:
+        raise UserError(f"a {n}-process run needs --dist.coordinator HOST:PORT and "
+                        f"--dist.process-id in [0, {n}) (or JAX_COORDINATOR_ADDRESS and "
+                        "JAX_PROCESS_ID)")
+    jax.distributed.initialize(coordinator, num_processes=n, process_id=pid)
+
+
+def say(*args, **kwargs) -> None:
+    """print, on process 0 only."""
+    if jax.process_index() == 0:
+        print(*args, **kwargs)
+
+
+def check_fits(mesh: MeshConfig, model: ModelConfig, batch_size: int,
+               n_devices: int | None) -> None:
+    """Raise UserError if the mesh cannot hold this model and batch. Which dimension is split
+    over which mesh axis comes from the parameter table, as the shardings do."""
+    sizes = {"data": mesh.data, "model": mesh.model}
+    if n_devices is not None and mesh.data * mesh.model != n_devices:
+        raise UserError(f"mesh {mesh.data}x{mesh.model} needs {mesh.data * mesh.model} devices "
+                        f"but {n_devices} are present: set --mesh.data and --mesh.model so "
+                        "their product is the device count")
+    if batch_size % mesh.data:
+        raise UserError(f"data.batch_size={batch_size} is not divisible by "
+                        f"mesh.data={mesh.data}: change one of them")
+    for name, spec in param_table(model).items():
+        for dim, axis in zip(spec.shape, spec.axes):
+            mesh_axis = LOGICAL_TO_MESH[axis]
+            if mesh_axis and dim % sizes[mesh_axis]:
+                raise UserError(f"{name}'s {axis} dimension ({dim}) is not divisible by "
+                                f"mesh.{mesh_axis}={sizes[mesh_axis]}: change the model's "
+                                "width or the mesh")
+
+
+def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
+    return jax.make_mesh((cfg.data, cfg.model), ("data", "model"),
+                         axis_types=(AxisType.Explicit, AxisType.Explicit), devices=devices)
+
+
+
+def process_rows(sharding, batch_size: int) -> slice:
+    """This process's rows of the global batch: those its own devices hold under `sharding`
+    (all of them on one process)."""
+    rows = [i[0] for i in sharding.addressable_devices_indices_map((batch_size, 1)).values()]
+    return slice(min(r.start or 0 for r in rows), max(r.stop or batch_size for r in rows))
