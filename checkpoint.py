@@ -116,14 +116,16 @@ def write_config(run_dir: pathlib.Path, config: dict) -> None:
                         "choose a writable directory") from None
 
 
-def strict_json(record: dict) -> str:
-    """One JSON line; NaN and +-inf become null (json.dumps would write the non-standard
-    NaN / Infinity tokens that strict readers reject)."""
+def strict_json(obj, indent: int | None = None) -> str:
+    """JSON in which NaN and +-inf are null (json.dumps would write the non-standard NaN /
+    Infinity tokens that strict readers reject)."""
     def clean(v):
         if isinstance(v, float) and not math.isfinite(v):
             return None
-        return [clean(x) for x in v] if isinstance(v, list) else v
-    return json.dumps({k: clean(v) for k, v in record.items()}, allow_nan=False)
+        if isinstance(v, dict):
+            return {str(k): clean(x) for k, x in v.items()}
+        return [clean(x) for x in v] if isinstance(v, (list, tuple)) else v
+    return json.dumps(clean(obj), indent=indent, allow_nan=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,7 +135,9 @@ def checkpoint_manager(run_dir: pathlib.Path, keep: int = 3, read_only: bool = F
                        ) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
                                            create=not read_only, read_only=read_only)
-    return ocp.CheckpointManager(run_dir.absolute() / "checkpoints", options=options)
+    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(run_dir.absolute() / "checkpoints", options=options,
+                                 item_handlers=handlers)
 
 
 def saved_steps(run_dir: pathlib.Path) -> list[int]:
@@ -151,10 +155,42 @@ def save_checkpoint(mngr, step: int, state, config: dict) -> None:
 
 def restore_checkpoint(mngr, step: int, target) -> dict:
     """The train state saved at `step`, restored straight into the shardings `target` carries
-    (whatever mesh wrote it)."""
-    restored = mngr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target)))
-    return restored["state"]
+    (whatever mesh wrote it). A checkpoint in an earlier layout of the state is mapped onto
+    today's leaf by leaf (`earlier_layout`)."""
+    def restore(item):
+        return mngr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(item)))["state"]
+    stored = mngr.item_metadata(step)["state"]
+    want = {names(p): t for p, t in jax.tree_util.tree_leaves_with_path(target)}
+    have = {names(p): earlier_layout(names(p)) for p, _ in
+            jax.tree_util.tree_leaves_with_path(stored)}
+    if set(have) == set(want):
+        return restore(target)
+    if set(want) != {n for n in have.values() if n is not None}:
+        raise ValueError(f"the checkpoint's leaves {sorted(set(have) - set(want))} do not "
+                         f"match the train state's {sorted(set(want) - set(have))}")
+    replicated = jax.NamedSharding(next(iter(want.values())).sharding.mesh, P())
+    item = jax.tree_util.tree_map_with_path(  # the stored layout, in the target's shardings
+        lambda p, m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=want[have[names(p)]].sharding
+                                          if have[names(p)] else replicated), stored)
+    by_name = {have[names(p)]: x for p, x in jax.tree_util.tree_leaves_with_path(restore(item))}
+    return jax.tree_util.tree_map_with_path(lambda p, _: by_name[names(p)], target)
+
+
+def names(path) -> tuple[str, ...]:
+    """A key path as plain names: ("opt_state", "0", "inner_state", "1", "mu", "embed")."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def earlier_layout(leaf: tuple[str, ...]) -> tuple[str, ...] | None:
+    """Where a leaf of a checkpoint written by an earlier version lives today (None: dropped).
+    Before the learning rate moved out of skip-step (see optim.py), the optimizer state was
+    skip-step's own, and its last inner piece counted the LR schedule's steps: that count is
+    dropped (the global step drives the schedule now), the rest moves under chain element 0."""
+    if leaf[:1] != ("opt_state",) or leaf[1] in ("0", "1"):
+        return leaf
+    return None if leaf == ("opt_state", "inner_state", "4", "count") else ("opt_state", "0",
+                                                                           *leaf[1:])
 
 
 def resume(run_dir: pathlib.Path, target, keep: int, resume_step: int | None = None,

@@ -2,7 +2,7 @@
 
     data = TokenData(DataConfig(seq_len=128, batch_size=32))
     tokens_BT1 = data.batch(step)        # int32 [B, T+1]: a pure function of (seed, step, source)
-    held_out = data.eval_batch()         # a fixed batch from the held-out tail
+    held_out = data.held_out_batches()   # int32 [C, B, T+1]: the fixed held-out set
 
 Because a batch is a function of the step alone, resuming needs no iterator state and "train on
 other batches for steps A..B" (Marin's "skip the problematic data") is one setting:
@@ -34,6 +34,7 @@ class DataConfig:
     batch_size: int = 32
     seed: int = 0
     held_out_fraction: float = 0.01  # the tail of the token stream, never trained on
+    eval_sequences: int = 256  # the held-out loss averages this many windows of the tail
     # "A:B[,C:D]": steps A..B-1 train on other batches than their own (Marin tried skipping
     # the data before a spike)
     replace_batches: str = ""
@@ -41,6 +42,8 @@ class DataConfig:
     def __post_init__(self):
         if self.seq_len <= 0 or self.batch_size <= 0:
             raise ValueError("data.seq_len and data.batch_size must be positive")
+        if self.eval_sequences <= 0:
+            raise ValueError("data.eval_sequences must be positive")
         if not 0 < self.held_out_fraction < 1:
             raise ValueError("data.held_out_fraction must lie in (0, 1)")
         parse_ranges(self.replace_batches, "replace_batches")
@@ -148,7 +151,12 @@ class TokenData:
         starts = rng.integers(0, self.train.size - self.window + 1, size=self.cfg.batch_size)
         return self._rows(self.train, starts, rows)
 
-    def eval_batch(self, rows: slice = slice(None)) -> np.ndarray:
-        """A fixed [B, T+1] batch of evenly spaced windows from the held-out tail."""
-        starts = np.linspace(0, self.held_out.size - self.window, self.cfg.batch_size)
-        return self._rows(self.held_out, starts.astype(np.int64), rows)
+    def held_out_batches(self, rows: slice = slice(None)) -> np.ndarray:
+        """The fixed held-out set: int32 [C, B, T+1], `eval_sequences` evenly spaced windows of
+        the held-out tail (rounded up to whole batches of B), the same for every run that uses
+        this source, seq_len and batch size. `rows` picks this process's rows of each batch."""
+        B = self.cfg.batch_size
+        C = -(-self.cfg.eval_sequences // B)
+        starts = np.linspace(0, self.held_out.size - self.window, C * B).astype(np.int64)
+        return np.stack([self._rows(self.held_out, starts[c * B:(c + 1) * B], rows)
+                         for c in range(C)])

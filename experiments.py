@@ -1,162 +1,419 @@
-"""The spike story at CPU scale: one train.py / warmstart.py command per experiment.
+"""The spike story at CPU scale, over seeds: one train.py / warmstart.py command per run.
 
-    python experiments.py                  # all of them (~1 hour on 2 cores), then the results
-    python experiments.py spiky qk-norm    # some of them
-    python experiments.py --list           # the command each one runs
+    python experiments.py                  # everything (~1 hour on 2 cores), then the results
+    python experiments.py baseline qk-norm --seeds 0,1,2 --jobs 2
+    python experiments.py --list           # the command of every run
+    python experiments.py --results-only   # tables and figures from the runs already made
 
-Every experiment is exactly the command `--list` prints, run in runs/exp/NAME (a finished one is
-not run again). Afterwards the results -- one row per run, read from its metrics.jsonl -- go to
-results/results.json, the figures to results/*.png, and the table into README.md between the
-`results` markers. Nothing in the table is typed by hand.
+Every run is exactly the command `--list` prints, in runs/exp/NAME-sSEED; a finished run is not
+run again, so an interrupted suite resumes where it stopped. The seed sets both the
+initialisation (--seed) and the data order (--data.seed). Some runs depend on others: the
+rescues warm-start from a baseline checkpoint, and "replace-batches" retrains a baseline with the
+batches before its largest loss event replaced, so they run once those are done.
+
+Afterwards the results -- per run, read from its metrics.jsonl, then mean and spread over the
+seeds -- go to results/results.json (with the machine and each run's wall time), the figures to
+results/*.png, and the tables into README.md between the `results` markers. Nothing in the tables
+is typed by hand. An intervention is called better or worse than the baseline only where the
+difference of the means exceeds the sum of the two standard deviations over seeds.
 """
 
 import dataclasses
 import json
 import math
+import os
 import pathlib
+import platform
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+import jax
 import numpy as np
 import tyro
 
-from report import plot, read_metrics, summary
+from checkpoint import strict_json
 from cli import UserError, command, parse
+from report import find_shifts, find_spikes, read_metrics, summary
 from train import PRESETS
 
 RUNS, RESULTS = pathlib.Path("runs/exp"), pathlib.Path("results")
-STORY, SWEEP = "spiky-long", "spiky"  # presets: the story runs, and the LR sweep (300 steps)
-RESCUE_STEP = 500  # warm-start the spiky baseline here, halfway
-LR_GRID = ["1e-3", "3e-3", "1e-2", "3e-2", "1e-1", "3e-1"]  # Wortsman et al.'s grid
+STORY, SWEEP, BAD = "spiky-long", "spiky", "bad-spike"  # presets (train.py)
+RESCUE_STEP = 300  # warm-start the story's baselines here, halfway
+REWARMUP = 60
+LR_GRID = ["1e-3", "1e-2", "1e-1"]  # a subset of Wortsman et al.'s grid, to fit the time
+REPLACED = 20  # replace-batches: the batches of this many steps before the event
+
+# name -> (preset, train.py flags); the story and its interventions, Marin's list in order.
+STORY_RUNS = {
+    "baseline": (STORY, []),
+    "clip-0.2": (STORY, ["--optim.max-grad-norm", "0.2"]),
+    "skip-step": (STORY, ["--optim.skip-step"]),
+    "update-clip-norm": (STORY, ["--optim.update-clip", "norm"]),
+    "update-clip-rms": (STORY, ["--optim.update-clip", "rms"]),
+    "muon": (STORY, ["--optim.optimizer", "muon"]),
+    "qk-norm": (STORY, ["--model.qk-norm"]),
+    "bad-spike": (BAD, []),
+    "bad-spike-qk-norm": (BAD, ["--model.qk-norm"]),
+} | {f"lr{lr}{'-qk' * qk}": (SWEEP, ["--optim.lr", lr] + ["--model.qk-norm"] * qk)
+     for lr in LR_GRID for qk in (False, True)}
+# name -> (source run, step or "after-event"): QK-Norm inserted into a checkpoint of the source.
+RESCUES = {"rescue": ("baseline", RESCUE_STEP), "rescue-skip-step": ("skip-step", RESCUE_STEP),
+           "bad-spike-rescue": ("bad-spike", "after-event")}
+NAMES = [*STORY_RUNS, "replace-batches", *RESCUES]
 
 
-def experiments() -> dict[str, list[str]]:
-    """name -> command line."""
-    def train(name, *flags, preset=STORY):
-        return [sys.executable, "train.py", preset, *flags, "--run-dir", str(RUNS / name)]
-    out = {
-        "spiky": train("spiky"),
-        "clip-0.2": train("clip-0.2", "--optim.max-grad-norm", "0.2"),
-        "skip-step": train("skip-step", "--optim.skip-step"),
-        "update-clip-norm": train("update-clip-norm", "--optim.update-clip", "norm"),
-        "update-clip-rms": train("update-clip-rms", "--optim.update-clip", "rms"),
-        "qk-norm": train("qk-norm", "--model.qk-norm"),
-        "rescue": [sys.executable, "warmstart.py", "--from", str(RUNS / "spiky"), "--to",
-                   str(RUNS / "rescue"), "--step", str(RESCUE_STEP), "--rewarmup-steps", "100"],
-    }
-    for lr in LR_GRID:
-        for qk in (False, True):
-            name = f"lr{lr}{'-qk' if qk else ''}"
-            out[name] = train(name, "--optim.lr", lr, *(["--model.qk-norm"] if qk else []),
-                              preset=SWEEP)
-    return out
+def run_dir(name: str, seed: int) -> pathlib.Path:
+    return RUNS / f"{name}-s{seed}"
 
 
-def finished(name: str) -> bool:
-    run = RUNS / name
-    if not (run / "metrics.jsonl").is_file():
+def train_cmd(name: str, seed: int, preset: str, flags: list[str]) -> list[str]:
+    return [sys.executable, "train.py", preset, *flags, "--seed", str(seed), "--data.seed",
+            str(seed), "--run-dir", str(run_dir(name, seed))]
+
+
+def largest_event(run: pathlib.Path) -> int | None:
+    """The step of a finished run's largest loss event (a spike or a level shift), if any."""
+    m = read_metrics(run)
+    events = [(s.height, s.step) for s in find_spikes(m) + find_shifts(m)]
+    return max(events)[1] if events else None
+
+
+def command_for(name: str, seed: int) -> list[str] | None:
+    """The command of run (name, seed); None where it does not apply (no event to act on).
+    Runs that depend on another are resolved only once that one has finished."""
+    if name in STORY_RUNS:
+        return train_cmd(name, seed, *STORY_RUNS[name])
+    if name == "replace-batches":  # Marin: "we tried skipping the problematic step"
+        event = largest_event(run_dir("baseline", seed))
+        if event is None:
+            return None
+        span = f"{max(event - REPLACED, 0)}:{event}"
+        return train_cmd(name, seed, STORY, ["--data.replace-batches", span])
+    source, step = RESCUES[name]
+    src = run_dir(source, seed)
+    if step == "after-event":  # the first checkpoint after the run's first level shift
+        shifts = find_shifts(read_metrics(src))
+        if not shifts:
+            return None
+        every = PRESETS[BAD].checkpoint_every
+        step = (shifts[0].step // every + 1) * every
+    return [sys.executable, "warmstart.py", "--from", str(src), "--to",
+            str(run_dir(name, seed)), "--step", str(step), "--rewarmup-steps", str(REWARMUP)]
+
+
+def finished(run: pathlib.Path) -> bool:
+    """The run reached its last step, or stopped on a run of non-finite steps (exit 1)."""
+    if not (run / "metrics.jsonl").is_file() or not (run / "config.json").is_file():
         return False
     steps = json.loads((run / "config.json").read_text())["steps"]
-    return int(read_metrics(run)["step"][-1]) + 1 >= steps
+    done = pathlib.Path(f"{run}.done")
+    return (int(read_metrics(run)["step"][-1]) + 1 >= steps
+            or (done.is_file() and json.loads(done.read_text())["exit"] == 1))
 
 
-def run(name: str, cmd: list[str]) -> int:
-    if finished(name):
-        print(f"[{name}] already finished in {RUNS / name}", flush=True)
+def execute(name: str, seed: int) -> int:
+    """Run (name, seed) unless it has finished; its output goes to runs/exp/NAME-sSEED.log,
+    its exit status and wall time to NAME-sSEED.done."""
+    run = run_dir(name, seed)
+    if finished(run):
         return 0
-    if name == "rescue" and (RUNS / name).exists():
-        raise UserError(f"{RUNS / name} holds an unfinished rescue: resume it with "
-                        f"`python train.py --run-dir {RUNS / name}` and the flags in its "
-                        "config.json, or remove it")
+    cmd = command_for(name, seed)
+    if cmd is None:
+        print(f"[{run.name}] nothing to do: its source run has no loss event", flush=True)
+        return 0
+    if name in RESCUES and run.exists():
+        raise UserError(f"{run} holds an unfinished warm start: remove it and run again")
     RUNS.mkdir(parents=True, exist_ok=True)
-    print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
-    with open(RUNS / f"{name}.log", "w") as log:
+    print(f"[{run.name}] python {' '.join(cmd[1:])}", flush=True)
+    t = time.perf_counter()
+    with open(f"{run}.log", "w") as log:
         code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
-    tail = (RUNS / f"{name}.log").read_text().strip().splitlines()[-1:]
-    print(f"[{name}] exit {code}: {tail[0] if tail else ''}", flush=True)
+    pathlib.Path(f"{run}.done").write_text(json.dumps(
+        {"exit": code, "seconds": round(time.perf_counter() - t, 1)}) + "\n")
+    tail = pathlib.Path(f"{run}.log").read_text().strip().splitlines()[-1:]
+    print(f"[{run.name}] exit {code}: {tail[0] if tail else ''}", flush=True)
     return code
 
 
-def lr_sensitivity(rows: dict, qk: bool) -> float:
-    """Wortsman et al.: mean over the LR grid of min(final loss, initial loss) - best final
-    loss. A run that stopped early (diverged) counts at the initial loss."""
-    finals = []
-    for lr in LR_GRID:
-        r = rows[f"lr{lr}{'-qk' if qk else ''}"]
-        done = r["steps"] >= PRESETS[SWEEP].steps and math.isfinite(r["final_loss"])
-        finals.append(min(r["final_loss"], r["initial_loss"]) if done else r["initial_loss"])
-    return float(np.mean(finals) - min(finals))
+def run_all(names: list[str], seeds: list[int], jobs: int) -> dict:
+    """Independent runs first, then those that read their results, `jobs` at a time."""
+    codes = {}
+    sources = {RESCUES[n][0] for n in names if n in RESCUES} | (
+        {"baseline"} if "replace-batches" in names else set())
+    first = [(n, s) for n in STORY_RUNS if n in names or n in sources for s in seeds]
+    first.sort(key=lambda ns: -PRESETS[STORY_RUNS[ns[0]][0]].steps)  # the longest first
+    later = [(n, s) for n in names if n not in STORY_RUNS for s in seeds]
+    with ThreadPoolExecutor(jobs) as pool:
+        for batch in (first, later):
+            codes |= dict(zip(batch, pool.map(lambda ns: execute(*ns), batch)))
+    return codes
 
 
-def recovery_after_warm_start(rescue: dict, spiky: dict, start: int = RESCUE_STEP,
+# ---------------------------------------------------------------------------------------------
+# Results: per run, then mean and spread over seeds
+
+STATS = ("eval_loss", "final_loss", "spikes", "shifts", "max_attn_logit", "skipped_steps")
+
+
+def recovery_after_warm_start(rescue: dict, source: dict, start: int,
                               window: int = 20) -> int | None:
-    """Steps after the warm start until the rescue's rolling-mean loss is back at the spiky
-    run's rolling-mean loss just before it (the one-time penalty paid off); None if never."""
+    """Steps after the warm start until the rescue's rolling-mean train loss is back at the
+    source run's rolling-mean loss just before it (the one-time penalty paid off)."""
     def rolling(x):
         return np.convolve(x, np.ones(window) / window, mode="valid")  # [i] ends at i+window-1
-    before = rolling(spiky["loss"][:start])[-1]
+    before = rolling(source["loss"][source["step"] < start])[-1]
     after = rolling(rescue["loss"][rescue["step"] >= start])
     back = np.nonzero(after <= before)[0]
     return int(back[0]) + window - 1 if len(back) else None
 
 
-def results() -> dict:
+def lr_sensitivity(finals: dict[str, float], initial: float) -> float:
+    """Wortsman et al. (2309.14322): mean over the LR grid of min(final loss, initial loss)
+    minus the best final loss; a run that did not finish counts at the initial loss."""
+    clipped = [min(f, initial) if math.isfinite(f) else initial for f in finals.values()]
+    return float(np.mean(clipped) - min(clipped))
+
+
+def spread(values: list[float]) -> dict:
+    v = np.array(values, dtype=np.float64)
+    return {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else 0.0,
+            "min": float(np.min(v)), "max": float(np.max(v)), "n": len(v)}
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in
+                   pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__,
+            "platform": platform.platform()}
+
+
+def collect(seeds: list[int]) -> tuple[dict, dict]:
+    """(rows, metrics): rows[name] = per-seed summaries and their spread; metrics[name][seed]
+    = the run's metrics arrays (report.read_metrics)."""
     rows, metrics = {}, {}
-    for name in experiments():
-        if (RUNS / name / "metrics.jsonl").is_file():
-            metrics[name] = read_metrics(RUNS / name)
-            rows[name] = summary(metrics[name]) | {
-                "initial_loss": float(metrics[name]["loss"][0]) if name != "rescue" else
-                math.nan}
-    if "rescue" in rows and "spiky" in rows:
-        rows["rescue"]["recovered_after"] = recovery_after_warm_start(metrics["rescue"],
-                                                                      metrics["spiky"])
-    grid = [f"lr{lr}{s}" for lr in LR_GRID for s in ("", "-qk")]
-    if all(n in rows for n in grid):
-        rows["lr_sensitivity"] = {"without_qk_norm": lr_sensitivity(rows, False),
-                                  "with_qk_norm": lr_sensitivity(rows, True)}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
-    story = [n for n in ("spiky", "clip-0.2", "skip-step", "update-clip-norm",
-                         "update-clip-rms", "qk-norm", "rescue") if n in metrics]
-    if story:
-        plot({n: metrics[n] for n in story}, RESULTS, title="the spiky baseline, Marin's "
-             "interventions, QK-Norm from scratch, and the QK-Norm rescue")
-    return rows
+    for name in NAMES:
+        runs = {s: run_dir(name, s) for s in seeds if finished(run_dir(name, s))}
+        if not runs:
+            continue
+        metrics[name] = {s: read_metrics(r) for s, r in runs.items()}
+        per_seed = {}
+        for s, m in metrics[name].items():
+            row = summary(m)
+            done = pathlib.Path(f"{runs[s]}.done")
+            row["wall_s"] = json.loads(done.read_text())["seconds"] if done.is_file() else None
+            if name in RESCUES:
+                source = metrics[RESCUES[name][0]][s]
+                row["warm_start_step"] = int(m["step"][0])
+                row["recovered_after"] = recovery_after_warm_start(m, source, int(m["step"][0]))
+            per_seed[s] = row
+        rows[name] = {"seeds": per_seed,
+                      **{k: spread([r[k] for r in per_seed.values()]) for k in STATS}}
+    grid = [f"lr{lr}" for lr in LR_GRID]
+    if all(n in rows and n + "-qk" in rows for n in grid):
+        def final(name, seed):  # a run that stopped before its last step counts as diverged
+            r = rows[name]["seeds"][seed]
+            return r["final_loss"] if r["steps"] == PRESETS[SWEEP].steps else math.nan
+        both = [s for s in seeds if all(s in rows[n + qk]["seeds"] for n in grid
+                                        for qk in ("", "-qk"))]
+        sens = {qk: [lr_sensitivity({n: final(n + qk, s) for n in grid},
+                                    float(metrics[grid[0] + qk][s]["loss"][0])) for s in both]
+                for qk in ("", "-qk")}
+        rows["lr_sensitivity"] = {"without_qk_norm": spread(sens[""]),
+                                  "with_qk_norm": spread(sens["-qk"])}
+    return rows, metrics
 
 
-def table(rows: dict) -> str:
-    cmds = experiments()
-    lines = ["| experiment | held-out loss (nats/byte) | final train loss | max attn logit "
-             "(final) | spikes (never recovered) | skipped | command |",
-             "|---|---|---|---|---|---|---|"]
+def compare(a: dict, b: dict, key: str = "eval_loss") -> str:
+    """How a differs from b over seeds: a difference is called only where it exceeds the sum
+    of the two standard deviations."""
+    d = a[key]["mean"] - b[key]["mean"]
+    if abs(d) <= a[key]["std"] + b[key]["std"]:
+        return "no measurable difference"
+    return f"{'better' if d < 0 else 'worse'} ({d:+.3f})"
+
+
+def per_seed(row: dict, key: str) -> str:
+    return ", ".join(f"{r[key]:g}" for r in row["seeds"].values())
+
+
+def table(rows: dict, seeds: list[int]) -> str:
+    lines = [f"Seeds {', '.join(map(str, seeds))}: held-out loss as mean ± standard deviation; "
+             "spikes, level shifts and skipped steps per seed; the largest attention logit as "
+             "the range over seeds.", "",
+             "| experiment | held-out loss (nats/byte) | vs its baseline | loss spikes | level "
+             "shifts | max attn logit | skipped | command (seed 0) |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         if name == "lr_sensitivity":
             continue
-        extra = (f"; back at the pre-insertion loss after {r['recovered_after']} steps"
-                 if r.get("recovered_after") is not None else
-                 "; never back at the pre-insertion loss" if "recovered_after" in r else "")
-        lines.append(f"| {name}{extra} | {r['eval_loss']:.3f} | {r['final_loss']:.3f} | "
-                     f"{r['max_attn_logit']:,.0f} ({r['final_attn_logit']:,.0f}) | "
-                     f"{r['spikes']} ({r['unrecovered_spikes']}) | {r['skipped_steps']} | "
-                     f"`python {' '.join(cmds[name][1:])}` |")
-    if {"spiky", "qk-norm", "rescue"} <= set(rows):
-        base, qk, rescue = (rows[n]["eval_loss"] for n in ("spiky", "qk-norm", "rescue"))
-        def vs(a, b):
-            return f"{abs(a - b):.3f} {'below' if a < b else 'above'}"
-        lines.append(f"\nThe rescue's held-out loss, {rescue:.3f}, is {vs(rescue, base)} the "
-                     f"spiky baseline's ({base:.3f}) and {vs(rescue, qk)} QK-Norm from scratch "
-                     f"({qk:.3f}); its largest attention logit after the insertion is "
-                     f"{rows['rescue']['max_attn_logit']:,.0f} (the baseline ends at "
-                     f"{rows['spiky']['final_attn_logit']:,.0f}).")
+        base = ("bad-spike" if name.startswith("bad-spike") else
+                "baseline" if name in ("clip-0.2", "skip-step", "update-clip-norm", "muon",
+                                       "update-clip-rms", "qk-norm", "replace-batches", "rescue",
+                                       "rescue-skip-step") else None)
+        vs = compare(r, rows[base]) if base and base in rows and base != name else ""
+        extra = ""
+        if name in RESCUES:
+            back = [x["recovered_after"] for x in r["seeds"].values()]
+            extra = (f"; warm start at step {per_seed(r, 'warm_start_step')}, train loss back at "
+                     f"its pre-insertion level after {', '.join(map(str, back))} steps")
+        cmd = command_for(name, min(r["seeds"]))
+        lines.append(
+            f"| {name}{extra} | {r['eval_loss']['mean']:.3f} ± {r['eval_loss']['std']:.3f} | "
+            f"{vs} | {per_seed(r, 'spikes')} | {per_seed(r, 'shifts')} | "
+            f"{r['max_attn_logit']['min']:.3g}–{r['max_attn_logit']['max']:.3g} | "
+            f"{per_seed(r, 'skipped_steps')} | `python {' '.join(cmd[1:]) if cmd else '-'}` |")
     if "lr_sensitivity" in rows:
         s = rows["lr_sensitivity"]
         lines.append(f"\nLR sensitivity over {{{', '.join(LR_GRID)}}} (Wortsman et al.: mean of "
-                     "min(final, initial loss) − best final loss): "
-                     f"**{s['without_qk_norm']:.3f}** without QK-Norm, "
-                     f"**{s['with_qk_norm']:.3f}** with it.")
+                     "min(final, initial loss) − best final loss), mean ± std over seeds: "
+                     f"**{s['without_qk_norm']['mean']:.3f} ± {s['without_qk_norm']['std']:.3f}** "
+                     f"without QK-Norm, **{s['with_qk_norm']['mean']:.3f} ± "
+                     f"{s['with_qk_norm']['std']:.3f}** with it.")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures: one per question, seeds as a mean line over a band
+
+def ema(x: np.ndarray, span: int = 20) -> np.ndarray:
+    """Exponential moving average (weight 2/(span+1) on the newest step); NaN steps skipped."""
+    out, acc, a = np.empty(len(x)), np.nan, 2 / (span + 1)
+    for i, v in enumerate(x):
+        if np.isfinite(v):
+            acc = v if np.isnan(acc) else (1 - a) * acc + a * v
+        out[i] = acc
+    return out
+
+
+def seed_curves(ax, runs: dict, key: str, color, label: str, log: bool = False, raw=True):
+    """Raw mean faint, EMA of the mean bold, band between the seeds' EMAs (min to max)."""
+    steps = next(iter(runs.values()))["step"]
+    n = min(len(m[key]) for m in runs.values())
+    ys = np.array([np.asarray(m[key][:n], dtype=np.float64).reshape(n, -1).max(axis=1)
+                   for m in runs.values()])
+    if log:
+        ys = np.log10(np.where(ys > 0, ys, np.nan))
+    smooth = np.array([ema(y) for y in ys])
+    if raw:
+        ax.plot(steps[:n], np.nanmean(ys, axis=0), color=color, lw=0.5, alpha=0.25)
+    ax.fill_between(steps[:n], smooth.min(axis=0), smooth.max(axis=0), color=color, alpha=0.2,
+                    lw=0)
+    ax.plot(steps[:n], smooth.mean(axis=0), color=color, lw=1.6, label=label)
+
+
+def figures(metrics: dict, rows: dict, out: pathlib.Path) -> list[pathlib.Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3
+    paths = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+        paths.append(out / name)
+
+    def panels(names, title, name, marks=()):
+        fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True,
+                                 gridspec_kw={"height_ratios": [3, 2, 2]})
+        for run, color in zip([n for n in names if n in metrics], colors):
+            seed_curves(axes[0], metrics[run], "loss", color, run)
+            seed_curves(axes[1], metrics[run], "update_norm", color, run, log=True, raw=False)
+            seed_curves(axes[2], metrics[run], "attn_logit_max", color, run, log=True,
+                        raw=False)
+        for ax in axes:
+            for step in marks:
+                ax.axvline(step, color="k", lw=0.8, ls="--")
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel("train loss (nats/byte)")
+        axes[0].set_title(title, fontsize=10)
+        axes[0].legend(fontsize=8, ncol=2)
+        lo = min(np.nanmin(ema(m["loss"])[50:]) for n in names if n in metrics
+                 for m in metrics[n].values())
+        axes[0].set_ylim(lo - 0.1, lo + 1.4)
+        axes[1].set_ylabel("log10 update norm")
+        axes[2].set_ylabel("log10 max |attn logit|")
+        axes[2].set_xlabel("step")
+        save(fig, name)
+
+    seeds = f"{len(next(iter(metrics.values())))} seeds"
+    panels(["baseline", "clip-0.2", "skip-step", "update-clip-norm", "update-clip-rms", "muon",
+            "replace-batches"], f"Marin's interventions against the spiky baseline ({seeds}: "
+           "mean EMA line, band from the lowest to the highest seed)", "interventions.png")
+    panels(["baseline", "skip-step", "qk-norm", "rescue", "rescue-skip-step"],
+           f"QK-Norm from scratch, and inserted at step {RESCUE_STEP} (dashed) into the "
+           f"baseline and into the skip-step run ({seeds})", "qk_norm_and_rescue.png",
+           marks=[RESCUE_STEP])
+    panels(["bad-spike", "bad-spike-qk-norm", "bad-spike-rescue"],
+           f"the bad-spike preset: without and with QK-Norm, and QK-Norm inserted after the "
+           f"first level shift ({seeds})", "bad_spike.png")
+
+    if "lr_sensitivity" in rows:
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+        x = [float(lr) for lr in LR_GRID]
+        for qk, color, label in (("", colors[0], "without QK-Norm"),
+                                 ("-qk", colors[1], "with QK-Norm")):
+            for ax, key in zip(axes, ("eval_loss", "max_attn_logit")):
+                r = [rows[f"lr{lr}{qk}"][key] for lr in LR_GRID]
+                y = np.array([v["mean"] for v in r])
+                err = np.array([[v["mean"] - v["min"] for v in r], [v["max"] - v["mean"]
+                                                                     for v in r]])
+                ax.errorbar(x, y, yerr=err, color=color, marker="o", capsize=3, label=label)
+        axes[0].set_ylabel("held-out loss (nats/byte)")
+        axes[1].set_ylabel("max |attn logit|")
+        axes[1].set_yscale("log")
+        for ax in axes:
+            ax.set_xscale("log")
+            ax.set_xlabel("peak learning rate")
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=8)
+        axes[0].set_title(f"LR sweep ({seeds}; bars: lowest to highest seed)", fontsize=10)
+        save(fig, "lr_sweep.png")
+
+    grid = [n for n in ("baseline", "qk-norm", "rescue", "bad-spike") if n in metrics]
+    if grid:
+        fig, axes = plt.subplots(1, len(grid), figsize=(3 * len(grid), 2.8), sharey=True,
+                                 squeeze=False)
+        for ax, name in zip(axes[0], grid):
+            m = metrics[name][min(metrics[name])]
+            for layer in range(m["attn_logit_max"].shape[1]):
+                ax.semilogy(m["step"], m["attn_logit_max"][:, layer], lw=0.9,
+                            label=f"layer {layer}")
+            ax.set_title(f"{name} (seed {min(metrics[name])})", fontsize=9)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel("max |attn logit|")
+        axes[0][0].legend(fontsize=7)
+        save(fig, "attn_logits_per_layer.png")
+
+    heat = [n for n in ("baseline", "bad-spike") if n in metrics
+            and "update_norm_per_layer" in metrics[n][min(metrics[n])]]
+    if heat:
+        fig, axes = plt.subplots(len(heat), 1, figsize=(9, 2.4 * len(heat)), squeeze=False)
+        for ax, name in zip(axes[:, 0], heat):
+            m = metrics[name][min(metrics[name])]
+            u = m["update_norm_per_layer"]
+            rel = np.log2(np.where(u > 0, u, np.nan) / np.nanmedian(u, axis=0))
+            im = ax.imshow(rel.T, aspect="auto", cmap="RdBu_r", vmin=-2, vmax=2,
+                           interpolation="nearest", origin="lower",
+                           extent=(m["step"][0], m["step"][-1], -0.5, u.shape[1] - 0.5))
+            for shift in find_shifts(m):
+                ax.axvline(shift.step, color="k", lw=0.8, ls="--")
+            ax.set_ylabel("layer")
+            ax.set_title(f"{name} (seed {min(metrics[name])}): per-layer update norm / its "
+                         "median (log2); dashed: level shifts", fontsize=9)
+            fig.colorbar(im, ax=ax, pad=0.01)
+        axes[-1, 0].set_xlabel("step")
+        save(fig, "update_norm_heatmap.png")
+    return paths
 
 
 def update_readme(text: str, readme: pathlib.Path = pathlib.Path("README.md")) -> None:
@@ -168,37 +425,62 @@ def update_readme(text: str, readme: pathlib.Path = pathlib.Path("README.md")) -
     readme.write_text(f"{head}{start}\n{text}\n{end}{rest.split(end, 1)[1]}")
 
 
+def write_results(seeds: list[int]) -> None:
+    rows, metrics = collect(seeds)
+    if not rows:
+        raise UserError(f"no finished runs in {RUNS}: run the experiments first")
+    RESULTS.mkdir(exist_ok=True)
+    wall = [r["wall_s"] for row in rows.values() if "seeds" in row
+            for r in row["seeds"].values() if r["wall_s"]]
+    out = {"machine": machine(), "seeds": seeds, "runs_wall_s_total": sum(wall), "rows": rows}
+    (RESULTS / "results.json").write_text(strict_json(out, indent=1) + "\n")
+    paths = figures(metrics, rows, RESULTS)
+    text = table(rows, seeds)
+    print(text)
+    update_readme(text)
+    print(f"wrote {RESULTS}/results.json, {', '.join(map(str, paths))} and the README table")
+
+
 @dataclasses.dataclass(frozen=True)
 class Args:
     names: tyro.conf.Positional[tuple[str, ...]] = ()  # experiments to run (default: all)
-    list: bool = False  # print the commands and stop
-    jobs: int = 2  # experiments run side by side
+    seeds: str = "0,1,2"  # every experiment runs once per seed
+    jobs: int = 2  # runs side by side
+    list: bool = False  # print the command of every run and stop
+    runs_only: bool = False  # make the runs, not the results
+    results_only: bool = False  # tables and figures from the runs already made
 
 
 @command
 def main(argv: list[str]) -> int:
     args = parse(Args, argv, description=__doc__)
-    cmds = experiments()
-    unknown = [n for n in args.names if n not in cmds]
+    names = list(args.names)
+    unknown = [n for n in names if n not in NAMES]
     if unknown:
-        raise UserError(f"unknown experiment {unknown[0]!r}: choose from {', '.join(cmds)}")
+        raise UserError(f"unknown experiment {unknown[0]!r}: choose from {', '.join(NAMES)}")
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")]
+    except ValueError:
+        raise UserError(f"--seeds takes integers like 0,1,2, got {args.seeds!r}") from None
+    if args.jobs < 1:
+        raise UserError("--jobs must be at least 1")
+    chosen = names or NAMES
     if args.list:
-        for name, cmd in cmds.items():
-            print(f"{name:<18} python {' '.join(cmd[1:])}")
+        for name in chosen:
+            for seed in seeds:
+                cmd = (command_for(name, seed) if name in STORY_RUNS else None)
+                print(f"{run_dir(name, seed).name:<26} python {' '.join(cmd[1:])}" if cmd else
+                      f"{run_dir(name, seed).name:<26} (decided once its source run is done)")
         return 0
-    chosen = [n for n in cmds if n in args.names or not args.names]
-    first = [n for n in chosen if n != "rescue"]
-    with ThreadPoolExecutor(args.jobs) as pool:
-        codes = dict(zip(first, pool.map(lambda n: run(n, cmds[n]), first)))
-    if "rescue" in chosen:
-        codes["rescue"] = run("rescue", cmds["rescue"])
-    rows = results()
-    text = table(rows)
-    print(text)
-    update_readme(text)
-    print(f"wrote {RESULTS}/results.json, {RESULTS}/overview.png, "
-          f"{RESULTS}/attn_logits.png and the README table")
-    failed = {n: c for n, c in codes.items() if c not in (0, 1)}  # 1: stopped, diverged
+    codes = {}
+    if not args.results_only:
+        t = time.perf_counter()
+        codes = run_all(chosen, seeds, args.jobs)
+        print(f"runs done in {(time.perf_counter() - t) / 60:.1f} min", flush=True)
+    if args.runs_only:
+        return 0
+    write_results(seeds)
+    failed = {n: c for n, c in codes.items() if c not in (0, 1)}  # 1: stopped, non-finite
     return 1 if failed else 0
 
 

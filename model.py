@@ -235,8 +235,9 @@ def attention(x_BTD, p, cfg: ModelConfig):
     logits_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BTKH,
                               out_sharding=P("data", "model")).astype(jnp.float32)
     logits_BKGTS = logits_BKGTS / math.sqrt(H)
-    logit_max = jnp.max(jnp.abs(logits_BKGTS))  # the quantity that explodes without QK-Norm
     causal_TS = jnp.tril(jnp.ones((T, T), bool))
+    # The quantity that explodes without QK-Norm, over the entries attention uses (causal).
+    logit_max = jnp.max(jnp.where(causal_TS, jnp.abs(logits_BKGTS), 0.0))
     logits_BKGTS = jnp.where(causal_TS, logits_BKGTS, -1e30)
     probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(x_BTD.dtype)
     out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BTKH,

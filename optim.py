@@ -1,16 +1,24 @@
 """The optimizer: an LR schedule that can re-warm, and an optax chain with the spike machinery.
 
     tx = make_optimizer(OptimConfig(), total_steps, decay_mask)
-    updates, opt_state = tx.update(grads, opt_state, params, loss=loss)
+    updates, opt_state = tx.update(grads, opt_state, params, loss=loss, step=global_step)
 
-Order, as in Levanter (which Marin used):
+Order, as in Levanter (which Marin used), with the learning rate outside the part a skip rolls
+back:
 
-    skip_step(                                   # OLMo 2: take the whole step, or nothing
-      chain(clip_by_global_norm(max_grad_norm),
-            scale_by_adam(b1, b2, eps),          # or Muon for matrices
-            add_decayed_weights(wd, mask),       # no decay on norms, embeddings
-            update clipping,                     # off | rolling norm | per-tensor RMS
-            scale_by_learning_rate(schedule)))
+    chain(
+      skip_step(                                 # OLMo 2: take the whole step, or nothing
+        chain(clip_by_global_norm(max_grad_norm),
+              scale_by_adam(b1, b2, eps),        # or Muon for matrices
+              add_decayed_weights(wd, mask),     # no decay on norms, embeddings
+              update clipping)),                 # off | rolling norm | per-tensor RMS
+      scale_by_schedule_at_step(schedule))       # x -schedule(global step)
+
+NOTE: the schedule is read at the trainer's global step, passed in, not at a count kept in the
+optimizer state (as OLMo-core's scheduler is driven by the trainer's step). optax's own
+`scale_by_learning_rate` counts its calls in its state; inside skip-step that count is rolled
+back with everything else, so each skipped step left the LR one step behind for good -- and
+after a QK-Norm warm start from a run with skips, the re-warmup ran several times too hot.
 
 Each piece is an optax transformation someone could drop into their own chain. Everything is
 decided inside jit with `jnp.where`: no host round trip, no recompilation.
@@ -269,9 +277,19 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, decay_mask
         direction,
         optax.add_decayed_weights(cfg.weight_decay, decay_mask),
         update_clip,
-        optax.scale_by_learning_rate(schedule),
     )
-    return skip_step(inner, cfg.skip_window, cfg.skip_sigma, enabled=cfg.skip_step)
+    return optax.chain(skip_step(inner, cfg.skip_window, cfg.skip_sigma, enabled=cfg.skip_step),
+                       scale_by_schedule_at_step(schedule))
+
+
+def scale_by_schedule_at_step(schedule) -> optax.GradientTransformationExtraArgs:
+    """Multiply the updates by -schedule(step), `step` being the global step the trainer passes
+    to `tx.update(..., step=step)`. Stateless, so nothing (a skipped step, a warm start) can
+    hold it back. The arithmetic is optax.scale_by_learning_rate's."""
+    def update(updates, state, params=None, *, step, **extra):
+        lr = schedule(step)
+        return jax.tree.map(lambda u: jnp.array(-lr, dtype=u.dtype) * u, updates), state
+    return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update)
 
 
 # Muon: for each weight matrix, which axes it reduces over (input) and which it outputs; axis 0
@@ -325,17 +343,21 @@ def opt_metrics(opt_state, cfg: OptimConfig) -> dict:
     """What the optimizer saw on its last step, for the metrics: read by field name from its
     state (`optax.tree.get` finds a field wherever the chain nests it), nothing recomputed.
     Empty for an optimizer built elsewhere (no skip-step state)."""
-    if optax.tree.get(opt_state, "skipped") is None:
+    skipped = optax.tree.get(opt_state, "skipped")
+    if skipped is None:
         return {}
     grad_norm = optax.tree.get(opt_state, "grad_norm")  # before clipping
+
+    def applied(x):  # a skipped step applied nothing; its rolled-back state holds stale norms
+        return jnp.where(skipped, jnp.zeros_like(x), x)
     return {
         "grad_norm": grad_norm,
         "grad_norm_clipped": (jnp.minimum(grad_norm, cfg.max_grad_norm) if cfg.max_grad_norm > 0
                               else grad_norm),
-        "update_norm": optax.tree.get(opt_state, "norm_before"),  # before update clipping
-        "update_norm_clipped": optax.tree.get(opt_state, "norm_after"),
+        "update_norm": applied(optax.tree.get(opt_state, "norm_before")),  # before update clip
+        "update_norm_clipped": applied(optax.tree.get(opt_state, "norm_after")),
         "update_clip_threshold": optax.tree.get(opt_state, "threshold"),
-        "skipped": optax.tree.get(opt_state, "skipped").astype(jnp.int32),
+        "skipped": skipped.astype(jnp.int32),
         "skip_loss_threshold": optax.tree.get(opt_state, "loss_threshold"),
         "skip_grad_norm_threshold": optax.tree.get(opt_state, "grad_norm_threshold"),
     }

@@ -1,16 +1,24 @@
 """Spike report and figures from run directories' metrics.jsonl.
 
-    python report.py runs/spiky                              # the spike table
+    python report.py runs/spiky                              # the spike and level-shift tables
     python report.py runs/spiky runs/qk --plot figures/      # + PNG figures, the runs overlaid
 
-A loss spike starts at a step whose loss lies above the mean of the previous `--window` steps by
-more than `--sigma` standard deviations and `--min-height` nats (a non-finite loss always
-counts); it lasts until the loss falls back under that threshold. For each spike the table gives
-the step, the height above the pre-spike mean, whether the update norm (Adam's step before the
-learning rate, before any update clipping) spiked by the same rule at or before it and how many
-steps earlier ("update spikes always preceded loss spikes", Marin), and how many steps the loss
-took to come back to its pre-spike mean ("-" if it never did: the spike Marin could not recover
-from). train.py prints this table at the end of every run.
+Two kinds of event, each with its own rule:
+
+A loss spike (sharp, one step) starts at a step whose loss lies above the mean of the previous
+`--rule.window` steps by more than `--rule.sigma` standard deviations and `--rule.min-height`
+nats (a non-finite loss always counts); it lasts until the loss falls back under that
+threshold. For each spike the table gives the step, the height above the pre-spike mean, whether
+the update norm (Adam's step before the learning rate, before any update clipping) spiked by the
+same rule at or before it and how many steps earlier ("update spikes always preceded loss
+spikes", Marin), and how many steps the loss took to come back to its pre-spike mean ("never"
+if it did not). train.py prints both tables at the end of every run.
+
+A level shift (slow, many steps; Marin's "Bad Spike", whose loss "didn't recover to the same
+plateau") starts where the smoothed loss (the mean of the last `--shift.smooth` steps) lies
+`--shift.rise` nats above the mean loss of the `--shift.window` steps before, and
+counts only if it stays `--shift.margin` above that level for `--shift.hold` steps. The one-step
+rule cannot see these: their rise spreads over 5-30 steps while per-step noise is ~0.1 nats.
 """
 
 import dataclasses
@@ -47,6 +55,64 @@ class Spike:
     length: int  # steps above the threshold
     update_lead: int | None  # steps from the update-norm spike to the loss spike (0 = same step)
     recovered_after: int | None  # steps until the loss was back at pre_level; None: never
+
+
+@dataclasses.dataclass(frozen=True)
+class ShiftRule:
+    """A level shift: the smoothed loss rises `rise` nats above the mean loss of the `window`
+    steps before, and stays `margin` above it for at least `hold` steps (the "Bad Spike" of
+    Marin's 32B: a rise that did not settle back to the same plateau)."""
+    smooth: int = 20  # the smoothed loss: the mean of the last `smooth` steps
+    window: int = 100  # the pre-event level: the mean loss of this many steps before
+    rise: float = 0.1  # an event starts this many nats above that level...
+    margin: float = 0.05  # ...and lasts while the smoothed loss stays this far above it,
+    hold: int = 50  # for at least this many steps
+
+    def __post_init__(self):
+        if min(self.smooth, self.window, self.hold) < 1 or not 0 <= self.margin <= self.rise:
+            raise UserError("the level-shift rule needs --shift.smooth, --shift.window and "
+                            "--shift.hold >= 1 and 0 <= --shift.margin <= --shift.rise")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shift:
+    step: int  # first step whose smoothed loss lies `rise` above the pre-event level
+    pre_level: float  # the mean loss of the window before
+    height: float  # highest smoothed loss during the event - pre_level
+    length: int  # steps the smoothed loss stayed `margin` above pre_level
+    recovered_after: int | None  # steps until the smoothed loss was back at pre_level; None: never
+
+
+def smoothed(loss: np.ndarray, n: int) -> np.ndarray:
+    """Trailing mean over the last n steps (fewer at the start); non-finite steps left out."""
+    ok = np.isfinite(loss)
+    csum = np.concatenate([[0.0], np.cumsum(np.where(ok, loss, 0.0))])
+    cnt = np.concatenate([[0], np.cumsum(ok)])
+    lo = np.maximum(np.arange(len(loss)) + 1 - n, 0)
+    hi = np.arange(len(loss)) + 1
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (csum[hi] - csum[lo]) / (cnt[hi] - cnt[lo])
+
+
+def find_shifts(m: dict[str, np.ndarray], rule: ShiftRule = ShiftRule()) -> list[Shift]:
+    steps, s = m["step"].astype(int), smoothed(m["loss"], rule.smooth)
+    shifts, t = [], rule.smooth + rule.window
+    while t < len(s):
+        pre = np.nanmean(m["loss"][t - rule.window:t])
+        if not s[t] >= pre + rule.rise:
+            t += 1
+            continue
+        end = t
+        while end < len(s) and not s[end] < pre + rule.margin:  # NaN counts as above
+            end += 1
+        if end - t >= rule.hold:
+            back = np.nonzero(s[t:] <= pre)[0]
+            shifts.append(Shift(step=int(steps[t]), pre_level=float(pre),
+                                height=float(np.nanmax(s[t:end]) - pre), length=end - t,
+                                recovered_after=int(steps[t + back[0]] - steps[t]) if len(back)
+                                else None))
+        t = max(end, t + 1)
+    return shifts
 
 
 def read_metrics(run: str | pathlib.Path) -> dict[str, np.ndarray]:
@@ -110,8 +176,11 @@ def outliers(x: np.ndarray, rule: SpikeRule, min_height: float = 0.0
 def find_spikes(m: dict[str, np.ndarray], rule: SpikeRule = SpikeRule()) -> list[Spike]:
     """The loss spikes of a run's metrics (read_metrics), with lead and recovery."""
     steps, loss = m["step"].astype(int), m["loss"]
-    update_starts = ([s for s, _, _ in outliers(np.log(m["update_norm"]), rule)]
-                     if "update_norm" in m else [])
+    update_starts = []
+    if "update_norm" in m:  # over the applied steps only: a skipped step's update is 0
+        applied = np.nonzero(m["update_norm"] > 0)[0]
+        update_starts = [applied[s] for s, _, _ in
+                         outliers(np.log(m["update_norm"][applied]), rule)]
     spikes = []
     for start, end, pre in outliers(loss, rule, rule.min_height):
         peak = start + int(np.nanargmax(np.where(np.isfinite(loss[start:end]),
@@ -141,9 +210,29 @@ def spike_table(spikes: list[Spike], name: str = "") -> str:
     return head + ":\n" + "\n".join(rows)
 
 
-def summary(m: dict[str, np.ndarray], rule: SpikeRule = SpikeRule()) -> dict:
-    """One row of a results table: final losses, largest attention logit, spikes, skips."""
-    spikes = find_spikes(m, rule)
+def shift_table(shifts: list[Shift], name: str = "") -> str:
+    head = (f"{len(shifts)} level shift{'s' * (len(shifts) != 1)} of the smoothed loss"
+            + (f" in {name}" if name else ""))
+    if not shifts:
+        return head
+    rows = [f"{'step':>7} {'height':>8} {'pre-level':>9} {'steps up':>8} {'recovered after':>15}"]
+    for s in shifts:
+        back = "never" if s.recovered_after is None else f"{s.recovered_after} steps"
+        rows.append(f"{s.step:>7} {s.height:>8.3f} {s.pre_level:>9.3f} {s.length:>8} {back:>15}")
+    return head + ":\n" + "\n".join(rows)
+
+
+def event_report(m: dict[str, np.ndarray], name: str = "", rule: SpikeRule = SpikeRule(),
+                 shift: ShiftRule = ShiftRule()) -> str:
+    """Both tables for one run's metrics."""
+    return spike_table(find_spikes(m, rule), name) + "\n" + shift_table(find_shifts(m, shift),
+                                                                         name)
+
+
+def summary(m: dict[str, np.ndarray], rule: SpikeRule = SpikeRule(),
+            shift: ShiftRule = ShiftRule()) -> dict:
+    """One row of a results table: final losses, largest attention logit, events, skips."""
+    spikes, shifts = find_spikes(m, rule), find_shifts(m, shift)
     logits = m.get("attn_logit_max", np.zeros((1, 1)))
     return {"steps": int(m["step"][-1]) + 1,
             "final_loss": float(np.mean(m["loss"][-20:])),
@@ -152,6 +241,10 @@ def summary(m: dict[str, np.ndarray], rule: SpikeRule = SpikeRule()) -> dict:
             "final_attn_logit": float(np.max(logits[-1])),
             "spikes": len(spikes),
             "unrecovered_spikes": sum(s.recovered_after is None for s in spikes),
+            "shifts": len(shifts),
+            "unrecovered_shifts": sum(s.recovered_after is None for s in shifts),
+            "events": sorted([(s.step, "spike") for s in spikes]
+                             + [(s.step, "shift") for s in shifts]),
             "skipped_steps": int(np.sum(m.get("skipped", 0)))}
 
 
@@ -231,6 +324,7 @@ class ReportArgs:
     runs: tyro.conf.Positional[tuple[str, ...]]  # run directories
     plot: str = ""  # write PNG figures into this folder
     rule: SpikeRule = SpikeRule()
+    shift: ShiftRule = ShiftRule()
 
 
 @command
@@ -240,7 +334,7 @@ def main(argv: list[str]) -> int:
         raise UserError("give at least one run directory: report.py RUN [RUN ...]")
     runs = {pathlib.Path(r).name or r: read_metrics(r) for r in args.runs}
     for name, m in runs.items():
-        print(spike_table(find_spikes(m, args.rule), name))
+        print(event_report(m, name, args.rule, args.shift))
     if args.plot:
         for path in plot(runs, pathlib.Path(args.plot), args.rule):
             print(f"wrote {path}")

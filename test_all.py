@@ -132,6 +132,25 @@ def test_the_marin_32b_preset_has_32b_parameters():
     assert 31e9 < M.count_params(cfg) < 34e9  # "32B"
 
 
+def test_the_max_attention_logit_counts_causal_entries_only():
+    """Layer 0's statistic equals the max |q.k|/sqrt(H) over the entries attention uses, and
+    the masked future entries (larger here) do not count."""
+    cfg = dataclasses.replace(TINY.model, init_std=0.5)
+    params = M.init_params(cfg, jax.random.key(1))
+    tokens = np.random.default_rng(3).integers(0, 256, (2, 33)).astype(np.int32)
+    with jax.set_mesh(mesh_of(1, 1)):
+        _, aux = jax.jit(lambda p, x: M.loss_fn(p, x, cfg))(params, tokens)
+    p0 = jax.tree.map(lambda x: x[0], params["layers"])
+    x = M.rms_norm(params["embed"][tokens[:, :-1]], p0["attn_norm"], cfg.norm_eps)
+    q = M.rope(jnp.einsum("btd,dnh->btnh", x, p0["wq"]), cfg.rope_theta)
+    k = M.rope(jnp.einsum("btd,dkh->btkh", x, p0["wk"]), cfg.rope_theta)
+    k = jnp.repeat(k, cfg.n_heads // cfg.n_kv_heads, axis=2)
+    logits = np.abs(np.asarray(jnp.einsum("btnh,bsnh->bnts", q, k))) / np.sqrt(cfg.head_dim)
+    causal = np.tril(np.ones(logits.shape[-2:], bool))
+    assert logits.max() > logits[..., causal].max()  # the masked entries would change it
+    assert float(aux["attn_logit_max"][0]) == pytest.approx(logits[..., causal].max(), rel=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------
 # optim.py
 
@@ -270,7 +289,7 @@ def test_a_nan_step_changes_nothing_and_the_schedule_advances(tiny_tokens):
         new, metrics2 = step(new, jnp.asarray(np.tile(tiny_tokens, (2, 1))))
     assert int(metrics["skipped"]) == 1 and int(new["step"]) == 2
     assert float(metrics2["lr"]) > float(metrics["lr"])  # schedule(1) > schedule(0) in warmup
-    assert_trees_equal(before["opt_state"].inner_state, new["opt_state"].inner_state)
+    assert_trees_equal(before["opt_state"][0].inner_state, new["opt_state"][0].inner_state)
     np.testing.assert_array_equal(np.asarray(new["params"]["layers"]["wq"]),
                                   before["params"]["layers"]["wq"])
 
@@ -298,7 +317,7 @@ def test_a_batch_is_a_pure_function_of_the_step_and_splits_by_rows():
     assert not np.array_equal(a, data.batch(6))
     halves = np.concatenate([data.batch(5, slice(0, 4)), data.batch(5, slice(4, 8))])
     np.testing.assert_array_equal(halves, a)
-    np.testing.assert_array_equal(data.eval_batch(), data.eval_batch())
+    np.testing.assert_array_equal(data.held_out_batches(), data.held_out_batches())
     # the held-out tail never overlaps the training part
     assert data.train.size + data.held_out.size == D.load_tokens("").size
 
@@ -379,7 +398,8 @@ def test_every_leaf_has_its_declared_sharding(sharded_runs):
         for k in name.split("/"):
             leaf = leaf[k]
         assert leaf.sharding.spec == M.logical_to_spec(spec.axes), name
-    adam = next(s for s in state["opt_state"].inner_state if isinstance(s, optax.ScaleByAdamState))
+    adam = next(s for s in state["opt_state"][0].inner_state
+                if isinstance(s, optax.ScaleByAdamState))
     for moments in (adam.mu, adam.nu):
         assert moments["layers"]["wq"].sharding.spec == jax.P(None, "data", "model", None)
         assert moments["head"].sharding.spec == jax.P("data", "model")
@@ -824,7 +844,7 @@ def test_poisoned_batch_is_skipped_and_training_continues(tmp_path, monkeypatch)
     assert lines[3]["loss"] is None and np.isfinite(last["eval_loss"])  # non-finite: null
     before, after = restore_final(cfg, 3), restore_final(cfg, 4)  # around the poisoned step
     assert_trees_equal(before["params"], after["params"])
-    assert_trees_equal(before["opt_state"].inner_state, after["opt_state"].inner_state)
+    assert_trees_equal(before["opt_state"][0].inner_state, after["opt_state"][0].inner_state)
     assert lines[5]["loss"] < lines[2]["loss"] + 0.5  # and it trains on
 
 
@@ -839,6 +859,21 @@ def test_poisoned_stretch_stops_with_the_last_good_checkpoint(tmp_path, monkeypa
     good = restore_final(cfg, 2)
     assert int(good["step"]) == 2 and all(np.isfinite(np.asarray(x)).all()
                                          for x in jax.tree.leaves(good["params"]))
+
+
+def test_the_held_out_loss_is_the_mean_over_the_whole_fixed_set_in_one_pass():
+    cfg = dataclasses.replace(TINY, data=dataclasses.replace(TINY.data, eval_sequences=20))
+    data = D.TokenData(cfg.data)
+    batches = data.held_out_batches()
+    assert batches.shape == (3, 8, 33)  # 20 windows, rounded up to 3 batches of 8
+    assert len({b.tobytes() for b in batches.reshape(24, 33)}) == 24  # distinct windows
+    np.testing.assert_array_equal(batches, D.TokenData(cfg.data).held_out_batches())
+    params = M.init_params(cfg.model, jax.random.key(0))
+    mesh = mesh_of(2, 1)
+    with jax.set_mesh(mesh):
+        loss = float(T.make_eval_step(cfg)(params, T.put_held_out(data, mesh)))
+        each = [float(M.loss_fn(params, jnp.asarray(b), cfg.model)[1]["ce"]) for b in batches]
+    assert loss == pytest.approx(np.mean(each), rel=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -980,6 +1015,58 @@ def test_inserting_qk_norm_drops_the_logits_10x_at_once(high_lr_runs, tmp_path):
     assert after["attn_logit_max"].max() * 10 <= before, (before, after["attn_logit_max"])
 
 
+def strict_lines(path: pathlib.Path) -> list[dict]:
+    """metrics.jsonl read by a strict JSON parser: NaN / Infinity tokens are refused."""
+    def refuse(token):
+        raise AssertionError(f"non-standard JSON token {token} in {path}")
+    return [json.loads(line, parse_constant=refuse) for line in path.open()]
+
+
+def applied_lrs(cfg, steps) -> dict:
+    """step -> the learning rate the parameters actually moved by at that step: |dparams|
+    between the checkpoints around it, over the norm of the update before the LR (after
+    clipping), which the optimizer computed; 0 where nothing was applied."""
+    lines = {m["step"]: m for m in strict_lines(pathlib.Path(cfg.run_dir) / "metrics.jsonl")}
+    out = {}
+    for s in steps:
+        a, b = restore_final(cfg, s)["params"], restore_final(cfg, s + 1)["params"]
+        moved = float(optax.tree.norm(jax.tree.map(lambda x, y: y - x, a, b)))
+        update = lines[s]["update_norm_clipped"]
+        out[s] = moved / update if update else moved
+    return out
+
+
+def test_the_lr_applied_follows_the_global_step_through_skips_and_a_warm_start(
+        tmp_path, monkeypatch):
+    """The mission's path: a source run skips 4 of its first 8 steps (non-finite batches), is
+    warm-started with QK-Norm at step 8 and skips again at step 10. Every applied step moves
+    the parameters by schedule(global step), in the source and through the re-warmup, as the
+    logged lr says; a skipped step moves nothing and logs update norms of 0."""
+    poisoned = {1, 3, 5, 6, 10}
+    poison_batches(monkeypatch, poisoned)
+    src = tiny(tmp_path, optim__skip_step=True, steps=12, checkpoint_every=1,
+               keep_checkpoints=20)
+    T.train(src, devices=jax.devices()[:1])
+    args = W.WarmStartArgs(source=src.run_dir, to=str(tmp_path / "warm"), step=8,
+                           rewarmup_steps=4, rewarmup_from_ratio=0.1)
+    cfg = W.convert(args, ["--steps", "14", "--checkpoint-every", "1", "--keep-checkpoints",
+                           "20"], devices=jax.devices()[:1])
+    T.train(cfg, devices=jax.devices()[:1])
+    for run, steps in ((src, range(1, 8)), (cfg, range(8, 14))):
+        schedule = O.lr_schedule(run.optim, run.steps)
+        lines = {m["step"]: m for m in strict_lines(pathlib.Path(run.run_dir) / "metrics.jsonl")}
+        for s, lr in applied_lrs(run, steps).items():
+            if s in poisoned:
+                assert lr == 0 and lines[s]["skipped"] == 1, s
+                assert lines[s]["update_norm"] == 0 == lines[s]["update_norm_clipped"], s
+                assert lines[s]["loss"] is None  # non-finite: written null
+            else:
+                assert lr == pytest.approx(float(schedule(s)), rel=1e-3), s
+                assert lines[s]["lr"] == pytest.approx(float(schedule(s)), rel=1e-6), s
+    # the re-warmup really starts from 0.1 x peak at the warm-start step
+    assert applied_lrs(cfg, [8])[8] == pytest.approx(0.1 * cfg.optim.lr, rel=1e-3)
+
+
 # ---------------------------------------------------------------------------------------------
 # report.py
 
@@ -1027,28 +1114,61 @@ def test_report_draws_figures_that_are_not_blank(tmp_path, capsys):
         assert min(pixels.shape[:2]) > 200 and pixels[..., :3].std() > 0.05  # not blank
 
 
+def planted_slow_rise(path: pathlib.Path, back_at: int | None) -> pathlib.Path:
+    """600 steps of loss 2.0 with per-step noise of 0.1 nats; from step 300 a rise to 2.3
+    spread over 20 steps, held until `back_at` (None: for good), then back to 2.0."""
+    rng = np.random.default_rng(0)
+    steps = np.arange(600)
+    loss = 2.0 + 0.1 * rng.standard_normal(600)
+    level = np.clip((steps - 300) / 20, 0, 1) * 0.3
+    if back_at is not None:
+        level[back_at:] = 0.0
+    path.mkdir(parents=True)
+    with open(path / "metrics.jsonl", "w") as f:
+        for s in steps:
+            f.write(json.dumps({"step": int(s), "loss": float(loss[s] + level[s]),
+                                "update_norm": 1.0, "grad_norm": 1.0, "lr": 1e-3, "skipped": 0,
+                                "attn_logit_max": [1.0]}) + "\n")
+    return path
+
+
+def test_a_slow_rise_is_a_level_shift_that_the_one_step_rule_misses(tmp_path):
+    for back_at, recovered in ((450, True), (None, False)):
+        m = R.read_metrics(planted_slow_rise(tmp_path / f"run{back_at}", back_at))
+        assert R.find_spikes(m) == []  # per-step noise hides a rise spread over 20 steps
+        shifts = R.find_shifts(m)
+        assert len(shifts) == 1, shifts
+        shift = shifts[0]
+        assert 300 <= shift.step <= 325 and 0.25 < shift.height < 0.4
+        assert shift.pre_level == pytest.approx(2.0, abs=0.03)  # the mean loss before it
+        if recovered:
+            assert 140 <= shift.length <= 175 and 150 <= shift.recovered_after <= 200
+        else:
+            assert shift.length == 600 - shift.step and shift.recovered_after is None
+        assert "1 level shift" in R.event_report(m)
+
+
 # ---------------------------------------------------------------------------------------------
 # experiments.py
 
-def test_lr_sensitivity_and_recovery_arithmetic(tmp_path):
+def test_lr_sensitivity_recovery_and_the_spread_rule():
     import experiments as E
-    finals = dict(zip(E.LR_GRID, [2.5, 2.0, 2.2, 2.6, 6.0, 3.0]))  # 1e-1 ends above init
-    rows = {}
-    for lr, loss in finals.items():
-        for qk in (False, True):
-            name = f"lr{lr}{'-qk' * qk}"
-            steps = 120 if (lr == "3e-1" and qk) else 300  # stopped early: counts as initial
-            rows[name] = {"final_loss": loss, "initial_loss": 5.5, "steps": steps}
-    clipped = [2.5, 2.0, 2.2, 2.6, 5.5, 3.0]
-    assert E.lr_sensitivity(rows, False) == pytest.approx(np.mean(clipped) - 2.0)
-    assert E.lr_sensitivity(rows, True) == pytest.approx(np.mean(clipped[:5] + [5.5]) - 2.0)
+    finals = {"1e-3": 2.5, "1e-2": 2.0, "3e-2": 2.2, "1e-1": 6.0, "3e-1": np.nan}
+    # 1e-1 ends above the initial loss and 3e-1 diverged: both count at the initial 5.5
+    assert E.lr_sensitivity(finals, 5.5) == pytest.approx(np.mean([2.5, 2.0, 2.2, 5.5, 5.5])
+                                                          - 2.0)
     spiky = {"step": np.arange(300.0), "loss": np.full(300, 2.0)}
     rescue = {"step": np.arange(150.0, 300.0), "loss": np.r_[np.full(30, 2.5), np.full(120, 1.9)]}
     # the 20-step mean first reaches 2.0 with 3 of its steps at 2.5: (3 x 2.5 + 17 x 1.9) / 20
     assert E.recovery_after_warm_start(rescue, spiky, start=150) == 46
     assert E.recovery_after_warm_start({**rescue, "loss": rescue["loss"] + 1}, spiky,
                                        start=150) is None
-
+    # a difference is called only where it exceeds the sum of the seeds' standard deviations
+    base = {"eval_loss": E.spread([2.0, 2.1, 2.2])}  # std 0.1
+    assert E.compare({"eval_loss": E.spread([1.95, 2.0, 2.05])}, base) == \
+        "no measurable difference"  # 0.1 apart, stds 0.1 + 0.05
+    assert E.compare({"eval_loss": E.spread([1.7, 1.75, 1.8])}, base) == "better (-0.350)"
+    assert E.compare({"eval_loss": E.spread([2.5, 2.6, 2.7])}, base) == "worse (+0.500)"
 
 # ---------------------------------------------------------------------------------------------
 # The whole project: imports flow one way

@@ -31,7 +31,7 @@ from distributed import (DistConfig, MeshConfig, check_fits, make_mesh, process_
                          start_distributed)
 from model import ModelConfig, count_params, decay_mask, flops_per_token, loss_fn
 from optim import OptimConfig, lr_schedule, make_optimizer, opt_metrics
-from report import find_spikes, read_metrics, spike_table
+from report import event_report, read_metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +66,8 @@ class TrainConfig:
 # Settings that may change when a run directory is resumed: they do not change the math.
 RESUMABLE = {"run_dir", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
              "max_consecutive_nonfinite", "dry_run", "mesh.data", "mesh.model",
-             "data.replace_batches", "per_layer_metrics", "resume_step", "dist.coordinator",
-             "dist.num_processes", "dist.process_id", "dist.auto"}
+             "data.replace_batches", "data.eval_sequences", "per_layer_metrics", "resume_step",
+             "dist.coordinator", "dist.num_processes", "dist.process_id", "dist.auto"}
 # Names a config.json written by an earlier version may use, and what they are called now.
 RENAMED = {"data.skip_steps": "data.replace_batches",
            "max_consecutive_skips": "max_consecutive_nonfinite"}
@@ -79,23 +79,32 @@ PRESETS = {
         optim=OptimConfig(lr=1e-2, warmup_steps=5),
         data=DataConfig(seq_len=32, batch_size=8),
         run_dir="runs/tiny", steps=20, log_every=5, eval_every=10, checkpoint_every=10),
-    # The spike experiments (experiments.py): a smaller model at a high LR, no QK-Norm, short
-    # warmup, Marin's AdamW otherwise; ~1.5 minutes on 2 cores.
-    "spiky": TrainConfig(
-        model=ModelConfig(d_model=128, d_ff=344),
-        optim=OptimConfig(lr=3e-2, warmup_steps=10, b2=0.99),
-        data=DataConfig(batch_size=16),
-        run_dir="runs/spiky", steps=300, log_every=50, eval_every=100, checkpoint_every=50,
-        keep_checkpoints=10),
-    # The same model run longer at a constant LR with the stale second moment of beta2 0.999 and
-    # no gradient clipping: the story experiments (~3 minutes on 2 cores).
+    # The spike experiments (experiments.py) run at d_model 64 (d_ff 172): a high, constant LR
+    # 3e-2 after a 10-step warmup, Adam's beta2 0.999 (a stale second moment) and no gradient
+    # clipping, no QK-Norm: the baseline of the story (~2 minutes on 2 cores).
     "spiky-long": TrainConfig(
-        model=ModelConfig(d_model=128, d_ff=344),
+        model=ModelConfig(d_model=64, d_ff=172),
         optim=OptimConfig(lr=3e-2, warmup_steps=10, b2=0.999, max_grad_norm=0.0,
                           min_lr_ratio=1.0),
         data=DataConfig(batch_size=16),
-        run_dir="runs/spiky-long", steps=1000, log_every=250, eval_every=500,
-        checkpoint_every=250, keep_checkpoints=10),
+        run_dir="runs/spiky-long", steps=600, log_every=100, eval_every=300,
+        checkpoint_every=100, keep_checkpoints=10),
+    # The LR sweep: the same model, beta2 0.99, clipping at 1, cosine decay; 200 steps.
+    "spiky": TrainConfig(
+        model=ModelConfig(d_model=64, d_ff=172),
+        optim=OptimConfig(lr=3e-2, warmup_steps=10, b2=0.99),
+        data=DataConfig(batch_size=16),
+        run_dir="runs/spiky", steps=200, log_every=50, eval_every=100, checkpoint_every=100),
+    # Looking for Marin's "Bad Spike" (a rise that does not settle back): spiky-long longer,
+    # with Adam's eps 1e-15 and neither weight decay nor z-loss (Molybog et al. 2304.13013:
+    # a tiny eps lets time-correlated gradients blow up Adam's update). ~4 minutes on 2 cores.
+    "bad-spike": TrainConfig(
+        model=ModelConfig(d_model=64, d_ff=172, z_loss_weight=0.0),
+        optim=OptimConfig(lr=3e-2, warmup_steps=10, b2=0.999, eps=1e-15, weight_decay=0.0,
+                          max_grad_norm=0.0, min_lr_ratio=1.0),
+        data=DataConfig(batch_size=16),
+        run_dir="runs/bad-spike", steps=1500, log_every=250, eval_every=500,
+        checkpoint_every=100, keep_checkpoints=20),
     # The real Marin 32B shape and optimizer (Marin's exp1295_32b); for --dry-run on a laptop.
     "marin-32b": TrainConfig(
         model=ModelConfig(vocab_size=128_256, d_model=5120, n_layers=64, n_heads=40,
@@ -201,7 +210,8 @@ def make_train_step(cfg: TrainConfig, tx):
         params = state["params"]
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens_BT1,
                                                                         cfg.model)
-        updates, opt_state = tx.update(grads, state["opt_state"], params, loss=loss)
+        updates, opt_state = tx.update(grads, state["opt_state"], params, loss=loss,
+                                       step=state["step"])
         metrics = {"loss": loss, "lr": schedule(state["step"]), **aux,
                    **opt_metrics(opt_state, cfg.optim)}
         if cfg.per_layer_metrics:  # Marin saw update spikes larger in the lower layers
@@ -217,7 +227,20 @@ def make_train_step(cfg: TrainConfig, tx):
 
 
 def make_eval_step(cfg: TrainConfig):
-    return jax.jit(lambda params, tokens: loss_fn(params, tokens, cfg.model)[1]["ce"])
+    """(params, tokens [C, B, T+1]) -> the mean cross-entropy (nats/token; nats/byte for byte
+    data) over all C batches, in one jitted pass (lax.map: one batch in memory at a time)."""
+    def ce(params, tokens_BT1):
+        return loss_fn(params, tokens_BT1, cfg.model)[1]["ce"]
+    return jax.jit(lambda params, tokens_CBT1: jnp.mean(
+        jax.lax.map(lambda t: ce(params, t), tokens_CBT1)))
+
+
+def put_held_out(data: TokenData, mesh, rows: slice = slice(None)) -> jax.Array:
+    """The held-out set on the mesh, each batch split over "data" like a training batch."""
+    local = data.held_out_batches(rows)
+    C, _, T1 = local.shape
+    return jax.make_array_from_process_local_data(jax.NamedSharding(mesh, P(None, "data")),
+                                                  local, (C, data.cfg.batch_size, T1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,7 +352,7 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir) -> dict:
     def put(tokens):
         return jax.make_array_from_process_local_data(batch_sharding, tokens)
 
-    eval_tokens = put(data.eval_batch(rows))
+    eval_tokens = put_held_out(data, mesh, rows)
     stop = StopRequested()
     start = int(state["step"])
     log = Log(cfg, run_dir, start)
@@ -365,7 +388,7 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir) -> dict:
         sys.exit(128 + stop.signal)
     if log.file:
         log.file.close()
-        print(spike_table(find_spikes(read_metrics(run_dir)), str(run_dir)))
+        print(event_report(read_metrics(run_dir), str(run_dir)))
     return last
 
 

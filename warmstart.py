@@ -10,8 +10,9 @@ scales at 1 with zero moments, the LR re-warmed from 0.1 x peak to peak over 1,0
 
 The target config is the source's `config.json` with `model.qk_norm` on, a re-warmup starting at
 the checkpoint's step, and any train.py flag given after these (`--steps`, `--optim.*`,
-`--mesh.*`, `--data.replace-batches A:B`, ...). NEW_RUN gets that config and a checkpoint at the same
-step holding the converted state; training then continues there exactly as a plain resume would.
+`--mesh.*`, `--data.replace-batches A:B`, ...). NEW_RUN gets that config and a checkpoint at the
+same step holding the converted state; training then continues there exactly as a plain resume
+would.
 The source run directory is only read.
 """
 
@@ -153,13 +154,13 @@ def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> train.Tr
     mesh = train.setup_mesh(cfg, devices or jax.devices())
     if not cfg.model.qk_norm:
         raise UserError("warmstart.py inserts QK-Norm: do not pass --model.no-qk-norm")
-    held_out = train.load_data(cfg).eval_batch()
+    data = train.load_data(cfg)
     with jax.set_mesh(mesh):
         t0 = time.perf_counter()
         source, state, carried, new, dropped = convert_checkpoint(src_run, step, src_cfg, cfg,
                                                                   mesh, dst_run)
         seconds = time.perf_counter() - t0
-        tokens = jax.device_put(held_out, jax.NamedSharding(mesh, jax.P("data")))
+        tokens = train.put_held_out(data, mesh)
         loss_before = float(train.make_eval_step(src_cfg)(source["params"], tokens))
         loss_after = float(train.make_eval_step(cfg)(state["params"], tokens))
 
