@@ -8,8 +8,9 @@
 Every run is exactly the command `--list` prints, in runs/exp/NAME-sSEED; a finished run is not
 run again, so an interrupted suite resumes where it stopped. The seed sets both the
 initialisation (--seed) and the data order (--data.seed). Some runs depend on others: the
-rescues warm-start from a baseline checkpoint, and "replace-batches" retrains a baseline with the
-batches before its largest loss event replaced, so they run once those are done.
+rescues warm-start from a checkpoint of their source run, and the "replace-batches" runs rewind
+their source to its last checkpoint before its largest loss event and go on with the batches
+before that event replaced; they run once their sources are done.
 
 Afterwards the results -- per run, read from its metrics.jsonl, then mean and spread over the
 seeds -- go to results/results.json (with the machine and each run's wall time), the figures to
@@ -24,6 +25,7 @@ import math
 import os
 import pathlib
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -33,7 +35,7 @@ import jax
 import numpy as np
 import tyro
 
-from checkpoint import strict_json
+from checkpoint import saved_steps, strict_json
 from cli import UserError, command, parse
 from report import find_shifts, find_spikes, read_metrics, summary
 from train import PRESETS
@@ -61,7 +63,11 @@ STORY_RUNS = {
 # name -> (source run, step or "after-event"): QK-Norm inserted into a checkpoint of the source.
 RESCUES = {"rescue": ("baseline", RESCUE_STEP), "rescue-skip-step": ("skip-step", RESCUE_STEP),
            "bad-spike-rescue": ("bad-spike", "after-event")}
-NAMES = [*STORY_RUNS, "replace-batches", *RESCUES]
+# name -> source run: rewound to its last checkpoint before its largest loss event and run on
+# with the batches of the REPLACED steps before the event replaced (Marin: "we tried skipping
+# the problematic step").
+REPLACES = {"replace-batches": "baseline", "bad-spike-replace-batches": "bad-spike"}
+NAMES = [*STORY_RUNS, *REPLACES, *RESCUES]
 
 
 def run_dir(name: str, seed: int) -> pathlib.Path:
@@ -85,12 +91,13 @@ def command_for(name: str, seed: int) -> list[str] | None:
     Runs that depend on another are resolved only once that one has finished."""
     if name in STORY_RUNS:
         return train_cmd(name, seed, *STORY_RUNS[name])
-    if name == "replace-batches":  # Marin: "we tried skipping the problematic step"
-        event = largest_event(run_dir("baseline", seed))
+    if name in REPLACES:
+        event = largest_event(run_dir(REPLACES[name], seed))
         if event is None:
             return None
+        preset, flags = STORY_RUNS[REPLACES[name]]
         span = f"{max(event - REPLACED, 0)}:{event}"
-        return train_cmd(name, seed, STORY, ["--data.replace-batches", span])
+        return train_cmd(name, seed, preset, [*flags, "--data.replace-batches", span])
     source, step = RESCUES[name]
     src = run_dir(source, seed)
     if step == "after-event":  # the first checkpoint after the run's first level shift
@@ -103,14 +110,35 @@ def command_for(name: str, seed: int) -> list[str] | None:
             str(run_dir(name, seed)), "--step", str(step), "--rewarmup-steps", str(REWARMUP)]
 
 
+def rewind(name: str, seed: int) -> None:
+    """Start run (name, seed) of REPLACES from a copy of its source: config.json, the last
+    checkpoint at or before the first replaced step, and the metrics before it. train.py then
+    resumes there (the replaced steps are a RESUMABLE setting); a start from scratch would
+    repeat the source's steps bit for bit."""
+    src, run = run_dir(REPLACES[name], seed), run_dir(name, seed)
+    first = max(largest_event(src) - REPLACED, 0)
+    steps = [s for s in saved_steps(src) if s <= first]
+    if not steps:
+        return
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(src / "checkpoints" / str(steps[-1]), run / "checkpoints" / str(steps[-1]))
+    shutil.copy(src / "config.json", run / "config.json")
+    lines = (src / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run / "metrics.jsonl").write_text("".join(x for x in lines
+                                               if json.loads(x)["step"] < steps[-1]))
+
+
 def finished(run: pathlib.Path) -> bool:
     """The run reached its last step, or stopped on a run of non-finite steps (exit 1)."""
     if not (run / "metrics.jsonl").is_file() or not (run / "config.json").is_file():
         return False
     steps = json.loads((run / "config.json").read_text())["steps"]
     done = pathlib.Path(f"{run}.done")
-    return (int(read_metrics(run)["step"][-1]) + 1 >= steps
-            or (done.is_file() and json.loads(done.read_text())["exit"] == 1))
+    try:
+        last = int(read_metrics(run)["step"][-1])
+    except UserError:  # no complete step yet
+        return False
+    return last + 1 >= steps or (done.is_file() and json.loads(done.read_text())["exit"] == 1)
 
 
 def execute(name: str, seed: int) -> int:
@@ -125,6 +153,8 @@ def execute(name: str, seed: int) -> int:
         return 0
     if name in RESCUES and run.exists():
         raise UserError(f"{run} holds an unfinished warm start: remove it and run again")
+    if name in REPLACES and not run.exists():
+        rewind(name, seed)
     RUNS.mkdir(parents=True, exist_ok=True)
     print(f"[{run.name}] python {' '.join(cmd[1:])}", flush=True)
     t = time.perf_counter()
@@ -140,8 +170,8 @@ def execute(name: str, seed: int) -> int:
 def run_all(names: list[str], seeds: list[int], jobs: int) -> dict:
     """Independent runs first, then those that read their results, `jobs` at a time."""
     codes = {}
-    sources = {RESCUES[n][0] for n in names if n in RESCUES} | (
-        {"baseline"} if "replace-batches" in names else set())
+    sources = ({RESCUES[n][0] for n in names if n in RESCUES}
+               | {REPLACES[n] for n in names if n in REPLACES})
     first = [(n, s) for n in STORY_RUNS if n in names or n in sources for s in seeds]
     first.sort(key=lambda ns: -PRESETS[STORY_RUNS[ns[0]][0]].steps)  # the longest first
     later = [(n, s) for n in names if n not in STORY_RUNS for s in seeds]
@@ -352,9 +382,10 @@ def figures(metrics: dict, rows: dict, out: pathlib.Path) -> list[pathlib.Path]:
            f"QK-Norm from scratch, and inserted at step {RESCUE_STEP} (dashed) into the "
            f"baseline and into the skip-step run ({seeds})", "qk_norm_and_rescue.png",
            marks=[RESCUE_STEP])
-    panels(["bad-spike", "bad-spike-qk-norm", "bad-spike-rescue"],
-           f"the bad-spike preset: without and with QK-Norm, and QK-Norm inserted after the "
-           f"first level shift ({seeds})", "bad_spike.png")
+    panels(["bad-spike", "bad-spike-qk-norm", "bad-spike-rescue", "bad-spike-replace-batches"],
+           f"the bad-spike preset: without and with QK-Norm, QK-Norm inserted after the first "
+           f"level shift, the batches before the largest event replaced ({seeds})",
+           "bad_spike.png")
 
     if "lr_sensitivity" in rows:
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
@@ -398,8 +429,9 @@ def figures(metrics: dict, rows: dict, out: pathlib.Path) -> list[pathlib.Path]:
             and "update_norm_per_layer" in metrics[n][min(metrics[n])]]
     if heat:
         fig, axes = plt.subplots(len(heat), 1, figsize=(9, 2.4 * len(heat)), squeeze=False)
-        for ax, name in zip(axes[:, 0], heat):
-            m = metrics[name][min(metrics[name])]
+        for ax, name in zip(axes[:, 0], heat):  # the seed with the most level shifts
+            seed = max(sorted(metrics[name]), key=lambda s: len(find_shifts(metrics[name][s])))
+            m = metrics[name][seed]
             u = m["update_norm_per_layer"]
             rel = np.log2(np.where(u > 0, u, np.nan) / np.nanmedian(u, axis=0))
             im = ax.imshow(rel.T, aspect="auto", cmap="RdBu_r", vmin=-2, vmax=2,
@@ -408,8 +440,8 @@ def figures(metrics: dict, rows: dict, out: pathlib.Path) -> list[pathlib.Path]:
             for shift in find_shifts(m):
                 ax.axvline(shift.step, color="k", lw=0.8, ls="--")
             ax.set_ylabel("layer")
-            ax.set_title(f"{name} (seed {min(metrics[name])}): per-layer update norm / its "
-                         "median (log2); dashed: level shifts", fontsize=9)
+            ax.set_title(f"{name} (seed {seed}): per-layer update norm / its median (log2); "
+                         "dashed: level shifts", fontsize=9)
             fig.colorbar(im, ax=ax, pad=0.01)
         axes[-1, 0].set_xlabel("step")
         save(fig, "update_norm_heatmap.png")

@@ -89,12 +89,12 @@ PRESETS = {
         data=DataConfig(batch_size=16),
         run_dir="runs/spiky-long", steps=600, log_every=100, eval_every=300,
         checkpoint_every=100, keep_checkpoints=10),
-    # The LR sweep: the same model, beta2 0.99, clipping at 1, cosine decay; 200 steps.
+    # The LR sweep: the same model, beta2 0.99, clipping at 1, cosine decay; 100 steps.
     "spiky": TrainConfig(
         model=ModelConfig(d_model=64, d_ff=172),
         optim=OptimConfig(lr=3e-2, warmup_steps=10, b2=0.99),
         data=DataConfig(batch_size=16),
-        run_dir="runs/spiky", steps=200, log_every=50, eval_every=100, checkpoint_every=100),
+        run_dir="runs/spiky", steps=100, log_every=50, eval_every=100, checkpoint_every=100),
     # Looking for Marin's "Bad Spike" (a rise that does not settle back): spiky-long longer,
     # with Adam's eps 1e-15 and neither weight decay nor z-loss (Molybog et al. 2304.13013:
     # a tiny eps lets time-correlated gradients blow up Adam's update). ~4 minutes on 2 cores.
@@ -133,10 +133,9 @@ def parse_flags(default: TrainConfig, args: list[str]) -> TrainConfig:
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
+    """{"optim": {"lr": 1e-3}} -> {"optim.lr": 1e-3}"""
+    return {k2: v2 for k, v in d.items() for k2, v2 in
+            (flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}).items()}
 
 
 def config_from_dict(d: dict) -> TrainConfig:
@@ -156,10 +155,8 @@ def config_from_dict(d: dict) -> TrainConfig:
 def load_config(run_dir: pathlib.Path) -> TrainConfig | None:
     """The config stored in a run directory; None if it has none."""
     stored = read_config(run_dir)
-    if stored is None:
-        return None
     try:
-        return config_from_dict(stored)
+        return None if stored is None else config_from_dict(stored)
     except (ValueError, TypeError, AttributeError) as e:
         raise UserError(f"{run_dir}/config.json is not a spikefix config ({e})") from None
 
@@ -171,9 +168,8 @@ def check_same_run(stored: TrainConfig, cfg: TrainConfig) -> None:
              for k in sorted(set(old) | set(new))
              if k not in RESUMABLE and old.get(k) != new.get(k)]
     if diffs:
-        raise UserError(f"{cfg.run_dir} holds a run with a different config: "
-                        f"{'; '.join(diffs)}. Pass the same flags to resume, or use a new "
-                        "--run-dir")
+        raise UserError(f"{cfg.run_dir} holds a run with a different config: {'; '.join(diffs)}"
+                        ". Pass the same flags to resume, or use a new --run-dir")
 
 
 def setup_mesh(cfg: TrainConfig, devices) -> jax.sharding.Mesh:
@@ -217,8 +213,8 @@ def make_train_step(cfg: TrainConfig, tx):
         if cfg.per_layer_metrics:  # Marin saw update spikes larger in the lower layers
             metrics["grad_norm_per_layer"] = per_layer_norms(grads)
             metrics["update_norm_per_layer"] = per_layer_norms(updates)
-            metrics["wq_norm"] = per_layer_norms({"layers": {"wq": params["layers"]["wq"]}})
-            metrics["wk_norm"] = per_layer_norms({"layers": {"wk": params["layers"]["wk"]}})
+            metrics |= {f"{w}_norm": per_layer_norms({"layers": {w: params["layers"][w]}})
+                        for w in ("wq", "wk")}
         new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
                      "opt_state": opt_state}
         return new_state, metrics
@@ -229,16 +225,13 @@ def make_train_step(cfg: TrainConfig, tx):
 def make_eval_step(cfg: TrainConfig):
     """(params, tokens [C, B, T+1]) -> the mean cross-entropy (nats/token; nats/byte for byte
     data) over all C batches, in one jitted pass (lax.map: one batch in memory at a time)."""
-    def ce(params, tokens_BT1):
-        return loss_fn(params, tokens_BT1, cfg.model)[1]["ce"]
-    return jax.jit(lambda params, tokens_CBT1: jnp.mean(
-        jax.lax.map(lambda t: ce(params, t), tokens_CBT1)))
+    return jax.jit(lambda params, tokens_CBT1: jnp.mean(jax.lax.map(
+        lambda tokens_BT1: loss_fn(params, tokens_BT1, cfg.model)[1]["ce"], tokens_CBT1)))
 
 
 def put_held_out(data: TokenData, mesh, rows: slice = slice(None)) -> jax.Array:
     """The held-out set on the mesh, each batch split over "data" like a training batch."""
-    local = data.held_out_batches(rows)
-    C, _, T1 = local.shape
+    C, _, T1 = (local := data.held_out_batches(rows)).shape
     return jax.make_array_from_process_local_data(jax.NamedSharding(mesh, P(None, "data")),
                                                   local, (C, data.cfg.batch_size, T1))
 
