@@ -149,7 +149,8 @@ def execute(name: str, seed: int) -> int:
         return 0
     cmd = command_for(name, seed)
     if cmd is None:
-        print(f"[{run.name}] nothing to do: its source run has no loss event", flush=True)
+        print(f"[{run.name}] nothing to do: its source run has no event of the kind it acts on",
+              flush=True)
         return 0
     if name in RESCUES and run.exists():
         raise UserError(f"{run} holds an unfinished warm start: remove it and run again")
@@ -270,7 +271,11 @@ def compare(a: dict, b: dict, key: str = "eval_loss") -> str:
 
 
 def per_seed(row: dict, key: str) -> str:
-    return ", ".join(f"{r[key]:g}" for r in row["seeds"].values())
+    return ", ".join("never" if r[key] is None else f"{r[key]:g}" for r in row["seeds"].values())
+
+
+def logit(v: float) -> str:
+    return f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
 
 
 def table(rows: dict, seeds: list[int]) -> str:
@@ -290,15 +295,24 @@ def table(rows: dict, seeds: list[int]) -> str:
         vs = compare(r, rows[base]) if base and base in rows and base != name else ""
         extra = ""
         if name in RESCUES:
-            back = [x["recovered_after"] for x in r["seeds"].values()]
             extra = (f"; warm start at step {per_seed(r, 'warm_start_step')}, train loss back at "
-                     f"its pre-insertion level after {', '.join(map(str, back))} steps")
+                     f"its pre-insertion level after {per_seed(r, 'recovered_after')} steps")
         cmd = command_for(name, min(r["seeds"]))
+        if len(r["seeds"]) < len(seeds):  # the others had no event to act on
+            extra += f" ({len(r['seeds'])} of {len(seeds)} seeds)"
         lines.append(
             f"| {name}{extra} | {r['eval_loss']['mean']:.3f} ± {r['eval_loss']['std']:.3f} | "
             f"{vs} | {per_seed(r, 'spikes')} | {per_seed(r, 'shifts')} | "
-            f"{r['max_attn_logit']['min']:.3g}–{r['max_attn_logit']['max']:.3g} | "
+            f"{logit(r['max_attn_logit']['min'])}–{logit(r['max_attn_logit']['max'])} | "
             f"{per_seed(r, 'skipped_steps')} | `python {' '.join(cmd[1:]) if cmd else '-'}` |")
+    for rescue, source in (("rescue", "baseline"), ("rescue-skip-step", "skip-step")):
+        if {rescue, source, "qk-norm"} <= set(rows):
+            base, qk, res = (rows[n]["eval_loss"]["mean"] for n in (source, "qk-norm", rescue))
+            lines.append(f"\n{rescue}: QK-Norm inserted at step {RESCUE_STEP} into {source} "
+                         f"ends at {res:.3f} held-out, closing {(base - res) / (base - qk):.0%} "
+                         f"of the gap from {source} ({base:.3f}) to QK-Norm from scratch "
+                         f"({qk:.3f}), means over seeds; against QK-Norm from scratch: "
+                         f"{compare(rows[rescue], rows['qk-norm'])}.")
     if "lr_sensitivity" in rows:
         s = rows["lr_sensitivity"]
         lines.append(f"\nLR sensitivity over {{{', '.join(LR_GRID)}}} (Wortsman et al.: mean of "
