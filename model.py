@@ -227,7 +227,7 @@ def attention(x_BTD, p, cfg: ModelConfig):
     q_BTNH = dense(x_BTD, p["wq"], P("model", None))
     k_BTKH = dense(x_BTD, p["wk"], P("model", None))
     v_BTKH = dense(x_BTD, p["wv"], P("model", None))
-    if cfg.qk_norm:  # NOTE: before RoPE, per head over head_dim, as DESIGN.md specifies
+    if cfg.qk_norm:  # NOTE: before RoPE, per head over head_dim, as in Qwen3 (Marin's fix)
         q_BTNH = rms_norm(q_BTNH, p["q_norm"], cfg.norm_eps)
         k_BTKH = rms_norm(k_BTKH, p["k_norm"], cfg.norm_eps)
     q_BTNH, k_BTKH = rope(q_BTNH, cfg.rope_theta), rope(k_BTKH, cfg.rope_theta)
