@@ -166,7 +166,8 @@ def restore_checkpoint(mngr, step: int, target) -> dict:
             jax.tree_util.tree_leaves_with_path(stored)}
     if set(have) == set(want):
         return restore(target)
-    if set(want) != {n for n in have.values() if n is not None}:
+    mapped = {n for n in have.values() if n is not None}
+    if mapped - set(want) or set(want) - mapped - ADDED:
         raise ValueError(f"the checkpoint's leaves {sorted(set(have) - set(want))} do not "
                          f"match the train state's {sorted(set(want) - set(have))}")
     replicated = jax.NamedSharding(next(iter(want.values())).sharding.mesh, P())
@@ -174,12 +175,18 @@ def restore_checkpoint(mngr, step: int, target) -> dict:
         lambda p, m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=want[have[names(p)]].sharding
                                           if have[names(p)] else replicated), stored)
     by_name = {have[names(p)]: x for p, x in jax.tree_util.tree_leaves_with_path(restore(item))}
-    return jax.tree_util.tree_map_with_path(lambda p, _: by_name[names(p)], target)
+    return jax.tree_util.tree_map_with_path(  # a leaf added since starts at zero
+        lambda p, t: by_name[names(p)] if names(p) in by_name else
+        jnp.zeros(t.shape, t.dtype, device=t.sharding), target)
 
 
 def names(path) -> tuple[str, ...]:
     """A key path as plain names: ("opt_state", "0", "inner_state", "1", "mu", "embed")."""
     return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+# Leaves of today's train state that a checkpoint of an earlier version lacks; they start at 0.
+ADDED = {("opt_state", "0", "skipped_in_a_row")}
 
 
 def earlier_layout(leaf: tuple[str, ...]) -> tuple[str, ...] | None:

@@ -56,6 +56,16 @@ class ModelConfig:
             )
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"model.dtype must be float32, bfloat16 or float16, got {self.dtype}")
+        if self.head_dim % 2:
+            raise ValueError(f"model.d_model / model.n_heads = {self.head_dim} is odd: RoPE "
+                             "rotates pairs of dimensions, so the head dimension must be even")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            if not 0 < getattr(self, name) < math.inf:  # also refuses NaN
+                raise ValueError(f"model.{name} must be a positive finite number, "
+                                 f"got {getattr(self, name)}")
+        if not 0 <= self.z_loss_weight < math.inf:
+            raise ValueError(f"model.z_loss_weight must be >= 0 and finite, "
+                             f"got {self.z_loss_weight}")
 
     @property
     def head_dim(self) -> int:

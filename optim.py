@@ -53,26 +53,28 @@ class OptimConfig:
     skip_step: bool = False  # OLMo 2 / Levanter outlier skipping
     skip_window: int = 128
     skip_sigma: float = 6.0
+    skip_patience: int = 32  # after this many outlier skips in a row, accept the new level
     update_clip: Literal["off", "norm", "rms"] = "off"
     update_clip_window: int = 128  # rolling update-norm clip (Levanter clip_update_norm)
     update_clip_sigma: float = 2.0  # Marin used 2.0 (Levanter's default is 3.0)
     update_rms_threshold: float = 1.0  # per-tensor RMS clip (Levanter update_rms_clipping)
 
     def __post_init__(self):
-        if not self.lr > 0:
-            raise ValueError(f"optim.lr must be positive, got {self.lr}")
-        for name in ("warmup_steps", "rewarmup_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"optim.{name} must be >= 0, got {getattr(self, name)}")
-        if not 0 <= self.decay_fraction <= 1 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError("optim.decay_fraction and optim.min_lr_ratio must lie in [0, 1]")
-        if not 0 <= self.b1 < 1 or not 0 <= self.b2 < 1:
-            raise ValueError(f"optim.b1 and optim.b2 must lie in [0, 1), got {self.b1}, {self.b2}")
-        if self.max_grad_norm < 0 or self.weight_decay < 0:
-            raise ValueError("optim.max_grad_norm and optim.weight_decay must be >= 0")
-        for name in ("skip_window", "update_clip_window"):
-            if getattr(self, name) < 2:
-                raise ValueError(f"optim.{name} must be >= 2, got {getattr(self, name)}")
+        def check(names, ok, what):  # written so that NaN fails every test
+            for name in names:
+                if not ok(getattr(self, name)):
+                    raise ValueError(f"optim.{name} must be {what}, got {getattr(self, name)}")
+        check(("lr", "eps", "skip_sigma", "update_clip_sigma", "update_rms_threshold"),
+              lambda x: 0 < x < math.inf, "a positive finite number")
+        check(("max_grad_norm", "weight_decay"), lambda x: 0 <= x < math.inf,
+              ">= 0 and finite (0 turns it off)")
+        check(("b1", "b2"), lambda x: 0 <= x < 1, "in [0, 1)")
+        check(("decay_fraction", "min_lr_ratio", "rewarmup_from_ratio"), lambda x: 0 <= x <= 1,
+              "in [0, 1]")
+        check(("warmup_steps", "rewarmup_steps"), lambda x: x >= 0, ">= 0")
+        check(("rewarmup_start",), lambda x: x >= -1, ">= 0 (or -1: no re-warmup)")
+        check(("skip_window", "update_clip_window"), lambda x: x >= 2, ">= 2")
+        check(("skip_patience",), lambda x: x >= 1, ">= 1")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,6 +141,7 @@ class SkipStepState(NamedTuple):
     loss_history: jax.Array  # [window]
     grad_norm_history: jax.Array  # [window], pre-clip global grad norms
     count: jax.Array  # entries ever recorded
+    skipped_in_a_row: jax.Array  # outlier skips since the last applied step
     # What the last step saw, for the metrics:
     skipped: jax.Array
     grad_norm: jax.Array
@@ -147,42 +150,62 @@ class SkipStepState(NamedTuple):
 
 
 def skip_step(inner: optax.GradientTransformation, window: int = 128, sigma: float = 6.0,
-              enabled: bool = True) -> optax.GradientTransformationExtraArgs:
+              enabled: bool = True, patience: int = 32
+              ) -> optax.GradientTransformationExtraArgs:
     """OLMo-2-style outlier skipping around a whole optimizer (OLMo-core `SkipStepAdamW`,
     Levanter `skip_bad_steps`).
 
     Keeps the last `window` losses and pre-clip global grad norms. Once `window // 2` are recorded,
     a step whose loss or grad norm exceeds mean + sigma * std of that history is skipped: a zero
     update, and `inner`'s state (Adam moments, Adam count, clip histories) kept exactly as it was.
-    A non-finite loss or grad norm always skips and is never written into the history (the
-    anchors record it, and one NaN then disables the rule for a whole window). With
-    `enabled=False` only the non-finite rule acts: a NaN step is never applied.
+    A step whose loss, grad norm or update is non-finite is always skipped. With `enabled=False`
+    only that non-finite rule acts: a NaN step is never applied.
+
+    Where this differs from the anchors, and why:
+    - A skipped outlier enters the history *clipped to the threshold*. OLMo-core and Levanter
+      record the raw value, so one +8-nat batch inflates the std for a whole window and blinds
+      the rule: a later +2-nat poisoned batch slips under the raised threshold and is applied.
+    - A non-finite value is not recorded at all (the anchors record it; one NaN then makes the
+      threshold NaN and disables the rule for a whole window).
+    - After `patience` outlier skips in a row the rule concludes the level itself has moved (a
+      genuine shift, e.g. a new data mixture): that step is applied and the history starts over
+      from it (re-armed after window // 2 new steps). Clipped recording alone would let the
+      threshold creep up only slowly, and a run could stall, skipping every step for good.
 
     Needs the loss: `tx.update(grads, state, params, loss=loss)`.
     """
     def init(params):
         z = jnp.zeros((window,), jnp.float32)
-        f0 = jnp.zeros((), jnp.float32)
-        return SkipStepState(inner.init(params), z, z, jnp.zeros((), jnp.int32),
-                             jnp.zeros((), jnp.bool_), f0, f0, f0)
+        f0, i0 = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+        return SkipStepState(inner.init(params), z, z, i0, i0, jnp.zeros((), jnp.bool_),
+                             f0, f0, f0)
 
     def update(grads, state, params=None, *, loss, **extra):
         grad_norm = optax.tree.norm(grads)
         loss = jnp.asarray(loss, jnp.float32)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra)
+        finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+                  & jnp.isfinite(optax.tree.norm(new_updates)))
         loss_thr = _history_threshold(state.loss_history, state.count, sigma)
         gn_thr = _history_threshold(state.grad_norm_history, state.count, sigma)
-        outlier = (loss > loss_thr) | (grad_norm > gn_thr)
-        skipped = ~finite | (outlier if enabled else False)
+        outlier = ((loss > loss_thr) | (grad_norm > gn_thr)) & finite & enabled
+        shifted = outlier & (state.skipped_in_a_row >= patience)  # accept the new level
+        skipped = ~finite | (outlier & ~shifted)
 
-        new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra)
         updates = jax.tree.map(lambda u: jnp.where(skipped, jnp.zeros_like(u), u), new_updates)
         inner_state = jax.tree.map(lambda new, old: jnp.where(skipped, old, new),
                                    new_inner, state.inner_state)
-        loss_hist, _ = _record(state.loss_history, state.count, loss, finite)
-        gn_hist, count = _record(state.grad_norm_history, state.count, grad_norm, finite)
-        return updates, SkipStepState(inner_state, loss_hist, gn_hist, count, skipped,
-                                      grad_norm, loss_thr, gn_thr)
+        count = jnp.where(shifted, 0, state.count)  # a shift: the history starts over
+
+        def recorded(value, threshold):  # a skipped outlier enters clipped to the threshold
+            return jnp.where(skipped, jnp.minimum(value, threshold), value)
+        loss_hist, _ = _record(state.loss_history, count, recorded(loss, loss_thr), finite)
+        gn_hist, count = _record(state.grad_norm_history, count, recorded(grad_norm, gn_thr),
+                                 finite)
+        in_a_row = jnp.where(outlier & ~shifted, state.skipped_in_a_row + 1,
+                             jnp.where(finite, 0, state.skipped_in_a_row))
+        return updates, SkipStepState(inner_state, loss_hist, gn_hist, count, in_a_row,
+                                      skipped, grad_norm, loss_thr, gn_thr)
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -278,7 +301,8 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, decay_mask
         optax.add_decayed_weights(cfg.weight_decay, decay_mask),
         update_clip,
     )
-    return optax.chain(skip_step(inner, cfg.skip_window, cfg.skip_sigma, enabled=cfg.skip_step),
+    return optax.chain(skip_step(inner, cfg.skip_window, cfg.skip_sigma,
+                                 enabled=cfg.skip_step, patience=cfg.skip_patience),
                        scale_by_schedule_at_step(schedule))
 
 

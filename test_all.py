@@ -154,26 +154,34 @@ def test_the_max_attention_logit_counts_causal_entries_only():
 # ---------------------------------------------------------------------------------------------
 # optim.py
 
-def numpy_skip_rule(losses, grad_norms, window, sigma):
-    """A plain restatement of the skip-step rule: which steps are skipped."""
-    hist_l, hist_g, skipped = [], [], []
+def numpy_skip_rule(losses, grad_norms, window, sigma, patience=32, as_anchors=False):
+    """A plain restatement of the skip-step rule: which steps are skipped. `as_anchors`: the
+    rule as OLMo-core / Levanter have it (a skipped outlier is recorded raw; no patience)."""
+    hist_l, hist_g, skipped, in_a_row = [], [], [], 0
     for loss, gn in zip(losses, grad_norms):
         finite = np.isfinite(loss) and np.isfinite(gn)
-        skip = not finite
-        if finite and len(hist_l) >= window // 2:
+        thr_l = thr_g = np.inf
+        if len(hist_l) >= window // 2:
             hl, hg = np.array(hist_l[-window:]), np.array(hist_g[-window:])
-            skip = loss > hl.mean() + sigma * hl.std(ddof=1) or \
-                gn > hg.mean() + sigma * hg.std(ddof=1)
+            thr_l, thr_g = hl.mean() + sigma * hl.std(ddof=1), hg.mean() + sigma * hg.std(ddof=1)
+        outlier = finite and (loss > thr_l or gn > thr_g)
+        shifted = outlier and in_a_row >= patience and not as_anchors
+        skip = not finite or (outlier and not shifted)
+        if shifted:  # the new level is accepted; the history starts over
+            hist_l, hist_g = [], []
         if finite:
-            hist_l.append(loss)
-            hist_g.append(gn)
+            clip = skip and not as_anchors
+            hist_l.append(min(loss, thr_l) if clip else loss)
+            hist_g.append(min(gn, thr_g) if clip else gn)
+        in_a_row = in_a_row + 1 if outlier and not shifted else (0 if finite else in_a_row)
         skipped.append(bool(skip))
     return skipped
 
 
-def run_skip_step(losses, grad_scales, window=16, sigma=6.0):
+def run_skip_step(losses, grad_scales, window=16, sigma=6.0, patience=32, inner=None):
     """Drive skip_step(adam) on a 1-parameter problem with the given losses and grad norms."""
-    tx = O.skip_step(optax.chain(optax.scale_by_adam(), optax.scale(-0.1)), window, sigma)
+    inner = inner or optax.chain(optax.scale_by_adam(), optax.scale(-0.1))
+    tx = O.skip_step(inner, window, sigma, patience=patience)
     params = {"w": jnp.ones(3)}
     state = tx.init(params)
     update = jax.jit(tx.update)
@@ -220,6 +228,46 @@ def test_a_nan_never_enters_the_skip_step_history():
     after_nan = history[11][1]
     assert int(after_nan.count) == 10 and np.all(np.isfinite(np.asarray(after_nan.loss_history)))
     assert_trees_equal(history[10][0].inner_state, history[11][1].inner_state)
+
+
+def test_a_skipped_outlier_does_not_blind_the_rule_to_the_next_one():
+    rng = np.random.default_rng(1)
+    losses = 5.3 + 0.1 * rng.standard_normal(60)
+    losses[40] += 8.0  # a poisoned batch, skipped
+    losses[50] += 2.0  # another, 10 steps later
+    grads = np.ones(60)
+    history = run_skip_step(losses, grads, window=32)
+    skipped = [h[-1] for h in history]
+    assert [i for i, s in enumerate(skipped) if s] == [40, 50]
+    assert skipped == numpy_skip_rule(np.float32(losses), np.float32(grads), 32, 6.0)
+    # As OLMo-core and Levanter record it (the raw +8 in the history), step 50 is applied.
+    assert [i for i, s in enumerate(numpy_skip_rule(losses, grads, 32, 6.0, as_anchors=True))
+            if s] == [40]
+    recorded = np.asarray(history[40][1].loss_history)[40 % 32]
+    assert recorded == pytest.approx(float(history[40][1].loss_threshold))  # clipped
+
+
+def test_a_permanent_shift_of_the_loss_level_is_accepted_within_the_patience():
+    rng = np.random.default_rng(2)
+    losses = 3.0 + 0.02 * rng.standard_normal(120)
+    losses[40:] += 1.0  # a new data mixture, say: the level moves for good
+    history = run_skip_step(losses, np.ones(120), window=32, patience=5)
+    skipped = [h[-1] for h in history]
+    assert [i for i, s in enumerate(skipped) if s] == [40, 41, 42, 43, 44]  # then accepted
+    assert int(history[45][1].count) == 1  # the history starts over at the new level
+    assert skipped == numpy_skip_rule(np.float32(losses), np.ones(120), 32, 6.0, patience=5)
+
+
+def test_a_step_whose_update_is_nonfinite_is_skipped():
+    def overflow(updates, state, params=None):  # a gradient above 2 overflows the update
+        return jax.tree.map(lambda u: jnp.where(u > 2, jnp.inf, u), updates), state
+    inner = optax.chain(optax.GradientTransformation(lambda p: optax.EmptyState(), overflow),
+                        optax.scale_by_adam(), optax.scale(-0.1))
+    history = run_skip_step([3.0] * 6, [1.0, 1.0, 1.0, 10.0, 1.0, 1.0], inner=inner)
+    assert [h[-1] for h in history] == [False, False, False, True, False, False]
+    assert float(history[3][1].grad_norm) == pytest.approx(10.0)  # loss and grad were finite
+    assert float(jnp.abs(history[3][2]["w"]).max()) == 0.0
+    assert_trees_equal(history[3][0].inner_state, history[3][1].inner_state)
 
 
 def test_the_update_norm_clip_scales_to_its_rolling_threshold():
