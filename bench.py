@@ -32,6 +32,7 @@ import numpy as np
 import optax
 
 import checkpoint as C
+from config import PRESETS
 from distributed import make_mesh
 import model as M
 import optim as O
@@ -205,7 +206,7 @@ def bench_warmstart(cfg, repeats=3):
 
 def main():
     jax.monitoring.register_event_duration_secs_listener(count_compile)
-    cfg = T.PRESETS["cpu"]
+    cfg = PRESETS["cpu"]
     r = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                      "cpu": cpu_name(), "jax": jax.__version__, "devices": str(jax.devices())},
          "preset": "cpu"}

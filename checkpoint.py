@@ -11,14 +11,18 @@ A run directory holds one run:
     metrics.jsonl    one JSON object per step (strict JSON: a non-finite number is written null)
     checkpoints/N/   orbax: the train state after N steps, plus JSON metadata
     superseded-*/    checkpoints that --resume-step moved out of the way (never deleted)
+    lock             the PID of the process writing the run (an OS lock: one writer at a time)
 
 The train state is {"step", "params", "opt_state"}. Every leaf's sharding comes from the
 parameter table in model.py: a parameter, and any optimizer leaf that mirrors one (Adam's moments),
 takes the parameter's spec; everything else is replicated.
 """
 
+import contextlib
+import fcntl
 import json
 import math
+import os
 import pathlib
 import time
 
@@ -26,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax import P
+from jax.experimental import multihost_utils
 
 from cli import UserError
 from model import ModelConfig, init_params, logical_to_spec, param_table
@@ -133,8 +138,9 @@ def strict_json(obj, indent: int | None = None) -> str:
 
 def checkpoint_manager(run_dir: pathlib.Path, keep: int = 3, read_only: bool = False
                        ) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
-                                           create=not read_only, read_only=read_only)
+    options = ocp.CheckpointManagerOptions(  # (read-only: what orbax would set, and warn of)
+        max_to_keep=None if read_only else keep, save_interval_steps=0 if read_only else 1,
+        enable_async_checkpointing=True, create=not read_only, read_only=read_only)
     handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(run_dir.absolute() / "checkpoints", options=options,
                                  item_handlers=handlers)
@@ -200,16 +206,62 @@ def earlier_layout(leaf: tuple[str, ...]) -> tuple[str, ...] | None:
                                                                            *leaf[1:])
 
 
+def check_run_dir(run_dir: pathlib.Path, resume_step: int | None = None) -> None:
+    """Raise UserError, before anything is written, if run_dir cannot hold a run's checkpoints
+    or has no checkpoint at `resume_step`."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"{run_dir} exists and is not a directory: use another --run-dir")
+    if (run_dir / "checkpoints").exists() and not (run_dir / "checkpoints").is_dir():
+        raise UserError(f"{run_dir}/checkpoints exists and is not a directory: move it away, "
+                        "or use another --run-dir")
+    if resume_step is not None and resume_step not in (steps := saved_steps(run_dir)):
+        raise UserError(f"no checkpoint at step {resume_step} in {run_dir}; "
+                        f"saved steps: {steps or 'none'}")
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: pathlib.Path, announce=print):
+    """Hold run_dir/lock while the block runs: one writer per run directory. An OS lock (flock)
+    that the OS releases when its process ends, however it ends, so a lock file left by a dead
+    process is never in the way (it is announced and taken over). A UserError names the
+    holder's PID. Creates run_dir; the file is left empty on a clean exit."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        f = open(run_dir / "lock", "a+")
+    except OSError as e:
+        raise UserError(f"cannot write to --run-dir {run_dir}: {e.strerror}; "
+                        "choose a writable directory") from None
+    with f:
+        f.seek(0)
+        holder = f.read().strip()
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"{run_dir} is in use by another process (PID {holder or '?'}): "
+                            "wait for it to end, or use another --run-dir") from None
+        if holder and holder != str(os.getpid()):
+            announce(f"process {holder} ended without releasing {run_dir}/lock; taking it over")
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        try:
+            yield
+        finally:  # an empty lock file: the last writer ended cleanly
+            f.seek(0)
+            f.truncate()
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def resume(run_dir: pathlib.Path, target, keep: int, resume_step: int | None = None,
            announce=print) -> tuple[ocp.CheckpointManager | None, dict | None]:
     """(manager, state) restored from the latest checkpoint of run_dir, or from `resume_step`;
     (None, None) if there is none. Going back with `resume_step` moves the later checkpoints
-    aside to superseded-TIME/, never deleting them. A damaged checkpoint is a UserError
-    naming an older one to fall back to: the run never starts fresh over it."""
+    aside to superseded-TIME/, never deleting them (process 0 does it; the others wait). A
+    damaged checkpoint is a UserError naming an older one to fall back to: the run never
+    starts fresh over it."""
+    check_run_dir(run_dir, resume_step)
     steps = saved_steps(run_dir)
-    if resume_step is not None and resume_step not in steps:
-        raise UserError(f"no checkpoint at step {resume_step} in {run_dir}; "
-                              f"saved steps: {steps or 'none'}")
     if not steps:
         return None, None
     start = resume_step if resume_step is not None else steps[-1]
@@ -225,10 +277,13 @@ def resume(run_dir: pathlib.Path, target, keep: int, resume_step: int | None = N
     announce(f"resumed {run_dir} at step {start}")
     later = [s for s in steps if s > start]
     if later:  # --resume-step went back: keep the later checkpoints, out of the way
-        aside = run_dir / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}"
-        aside.mkdir()
-        for s in later:
-            (run_dir / "checkpoints" / str(s)).rename(aside / str(s))
-        announce(f"moved the later checkpoints {later} aside to {aside}")
+        if jax.process_index() == 0:
+            aside = run_dir / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}"
+            aside.mkdir()
+            for s in later:
+                (run_dir / "checkpoints" / str(s)).rename(aside / str(s))
+            announce(f"moved the later checkpoints {later} aside to {aside}")
+        if jax.process_count() > 1:  # the others read the directory only once it is done
+            multihost_utils.sync_global_devices("spikefix: later checkpoints moved aside")
         mngr = checkpoint_manager(run_dir, keep)
     return mngr, state

@@ -12,6 +12,7 @@ one line naming the problem and the fix, and exit status 2; never a traceback.
 import contextlib
 import functools
 import io
+import logging
 import re
 import sys
 
@@ -45,12 +46,25 @@ def one_line(tyro_message: str) -> str:
 
 def command(main):
     """Decorate a command's `main(argv) -> int`: a UserError is printed as one line and
-    becomes exit status 2."""
+    becomes exit status 2. The libraries' own log lines (orbax's through absl, asyncio's) are
+    silenced: each failure they would log also raises, and is reported in one line."""
     @functools.wraps(main)
     def guarded(argv: list[str]) -> int:
+        for name in ("absl", "asyncio"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        sys.unraisablehook = quiet_closed_loops
         try:
             return main(argv)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
     return guarded
+
+
+def quiet_closed_loops(unraisable, default=sys.unraisablehook) -> None:
+    """After a failed orbax save, tensorstore's late callbacks find their asyncio event loop
+    closed and Python prints each as an "Exception ignored" traceback; the failure itself is
+    reported in one line. Anything else is printed as usual."""
+    if not (isinstance(unraisable.exc_value, RuntimeError)
+            and "Event loop is closed" in str(unraisable.exc_value)):
+        default(unraisable)

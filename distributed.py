@@ -11,6 +11,8 @@ over "data". Which parameter dimension goes on which axis is declared once, in m
 
 import dataclasses
 import os
+import socket
+import time
 
 import jax
 from jax.sharding import AxisType
@@ -34,14 +36,17 @@ class DistConfig:
     num_processes: int = 0  # 0: $JAX_NUM_PROCESSES, else 1 (a single process)
     process_id: int = -1  # -1: $JAX_PROCESS_ID
     auto: bool = False  # jax.distributed.initialize() with cluster auto-detection
+    timeout: int = 300  # seconds to wait for all processes to join (JAX's default)
 
 
 
 def start_distributed(cfg: DistConfig) -> None:
     """Join the other processes of a multi-process run (before any JAX device is touched); a
     single process does nothing. Every process then sees all devices of all processes."""
+    if cfg.timeout <= 0:
+        raise UserError(f"--dist.timeout must be positive, got {cfg.timeout}")
     if cfg.auto:
-        jax.distributed.initialize()
+        join(None, None, None, cfg.timeout)
         return
     env = os.environ
     n = cfg.num_processes or int(env.get("JAX_NUM_PROCESSES", 1))
@@ -53,7 +58,30 @@ def start_distributed(cfg: DistConfig) -> None:
         raise UserError(f"a {n}-process run needs --dist.coordinator HOST:PORT and "
                         f"--dist.process-id in [0, {n}) (or JAX_COORDINATOR_ADDRESS and "
                         "JAX_PROCESS_ID)")
-    jax.distributed.initialize(coordinator, num_processes=n, process_id=pid)
+    join(coordinator, n, pid, cfg.timeout)
+
+
+def join(coordinator: str | None, n: int | None, pid: int | None, timeout: int) -> None:
+    """jax.distributed.initialize. A process other than 0 first waits up to `timeout` seconds
+    for the coordinator to accept connections, and fails in one line if it never does (JAX
+    itself would abort the process with a C++ stack trace)."""
+    if coordinator and pid:
+        host, _, port = coordinator.rpartition(":")
+        if not host or not port.isdigit():
+            raise UserError(f"--dist.coordinator must be HOST:PORT, got {coordinator!r}")
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                socket.create_connection((host, int(port)), timeout=2).close()
+                break
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise UserError(f"could not reach --dist.coordinator {coordinator} within "
+                                    f"--dist.timeout {timeout}s ({e.strerror or e}): is process "
+                                    "0 running, and is the address right?") from None
+                time.sleep(0.5)
+    jax.distributed.initialize(coordinator, num_processes=n, process_id=pid,
+                               initialization_timeout=timeout)
 
 
 def say(*args, **kwargs) -> None:

@@ -7,6 +7,7 @@ they can be (one tiny config, module-level fixtures), since JAX compiles are slo
 import dataclasses
 import hashlib
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import optax  # noqa: E402
 import pytest  # noqa: E402
 
 import checkpoint as C  # noqa: E402
+import config as CF  # noqa: E402
 import data as D  # noqa: E402
 import model as M  # noqa: E402
 import optim as O  # noqa: E402
@@ -30,10 +32,10 @@ import warmstart as W  # noqa: E402
 
 
 HERE = pathlib.Path(__file__).parent
-TINY = T.PRESETS["tiny"]
+TINY = CF.PRESETS["tiny"]
 
 
-def tiny(tmp_path=None, **overrides) -> T.TrainConfig:
+def tiny(tmp_path=None, **overrides) -> CF.TrainConfig:
     """The tiny preset, with nested overrides written as "optim.lr"=... keywords."""
     d = dataclasses.asdict(TINY)
     if tmp_path is not None:
@@ -44,11 +46,11 @@ def tiny(tmp_path=None, **overrides) -> T.TrainConfig:
         for p in parents:
             node = node[p]
         node[leaf] = value
-    return T.config_from_dict(d)
+    return CF.config_from_dict(d)
 
 
 def mesh_of(data, model):
-    return T.make_mesh(T.MeshConfig(data, model), jax.devices()[:data * model])
+    return T.make_mesh(CF.MeshConfig(data, model), jax.devices()[:data * model])
 
 
 def init_sharded(cfg, mesh, tx=None):
@@ -128,7 +130,7 @@ def test_qk_norm_scales_are_declared_once_and_leave_other_inits_alone():
 
 
 def test_the_marin_32b_preset_has_32b_parameters():
-    cfg = T.PRESETS["marin-32b"].model
+    cfg = CF.PRESETS["marin-32b"].model
     assert 31e9 < M.count_params(cfg) < 34e9  # "32B"
 
 
@@ -315,7 +317,7 @@ def test_the_schedule_warms_up_holds_and_decays():
 
 
 def test_the_schedule_rewarms_as_marin_did_at_step_80k():
-    cfg = dataclasses.replace(T.PRESETS["marin-32b"].optim, rewarmup_start=80_000,
+    cfg = dataclasses.replace(CF.PRESETS["marin-32b"].optim, rewarmup_start=80_000,
                               rewarmup_steps=1000, rewarmup_from_ratio=0.1)
     s = O.lr_schedule(cfg, 160_000)
     assert float(s(79_999)) == pytest.approx(7e-4)
@@ -459,7 +461,7 @@ def test_every_leaf_has_its_declared_sharding(sharded_runs):
 
 def test_fsdp_puts_an_eighth_of_the_state_on_each_of_8_devices(capsys):
     """The CPU default on 8 devices (8x1): each device holds ~1/8 of params + optimizer state."""
-    cfg = dataclasses.replace(T.PRESETS["cpu"], mesh=T.MeshConfig(8, 1))
+    cfg = dataclasses.replace(CF.PRESETS["cpu"], mesh=CF.MeshConfig(8, 1))
     state, tx, _ = init_sharded(cfg, mesh_of(8, 1))
     leaves = jax.tree.leaves(state)
     total = sum(x.nbytes for x in leaves)
@@ -483,20 +485,9 @@ def test_fsdp_puts_an_eighth_of_the_state_on_each_of_8_devices(capsys):
 def test_two_processes_on_loopback_match_one_process(tmp_path):
     """2 processes x 2 CPU devices (gloo collectives) train tiny on a 4x1 mesh: the same losses
     as 1 process with 4 devices; their checkpoint resumes in one process on a 2x1 mesh."""
-    import os
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     run = tmp_path / "two"
-    flags = ["tiny", "--mesh.data", "4", "--steps", "6", "--checkpoint-every", "3",
-             "--eval-every", "3", "--run-dir", str(run)]
-    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "2"}
-    procs = [subprocess.Popen([sys.executable, "train.py", *flags, "--dist.coordinator",
-                               f"127.0.0.1:{port}", "--dist.num-processes", "2",
-                               "--dist.process-id", str(i)], cwd=HERE, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
+    procs = start_processes(["tiny", "--mesh.data", "4", "--steps", "6", "--checkpoint-every",
+                             "3", "--eval-every", "3", "--run-dir", str(run)])
     try:
         outs = [p.communicate(timeout=240)[0] for p in procs]
     finally:
@@ -510,11 +501,52 @@ def test_two_processes_on_loopback_match_one_process(tmp_path):
     ref = [json.loads(x) for x in (tmp_path / "one" / "run" / "metrics.jsonl").open()]
     np.testing.assert_allclose([m["loss"] for m in two], [m["loss"] for m in ref], rtol=1e-5)
     # the 2-process checkpoint, resumed at step 3 by one process on a 2x1 mesh
-    again = dataclasses.replace(one, run_dir=str(run), mesh=T.MeshConfig(2, 1), resume_step=3)
+    again = dataclasses.replace(one, run_dir=str(run), mesh=CF.MeshConfig(2, 1), resume_step=3)
     T.train(again, devices=jax.devices()[:2])
     np.testing.assert_allclose(json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
                                ["loss"], ref[-1]["loss"], rtol=1e-4)
 
+
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_processes(flags: list[str], n: int = 2) -> list[subprocess.Popen]:
+    """`n` train.py processes of one run on loopback, 2 CPU devices each."""
+    port = free_port()
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "2"}
+    return [subprocess.Popen([sys.executable, "-u", "train.py", *flags, "--dist.coordinator",
+                              f"127.0.0.1:{port}", "--dist.num-processes", str(n),
+                              "--dist.process-id", str(i)], cwd=HERE, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for i in range(n)]
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
+    run = tmp_path / "run"
+    procs = start_processes(["tiny", "--mesh.data", "4", "--steps", "100000", "--log-every", "1",
+                             "--checkpoint-every", "100000", "--run-dir", str(run)])
+    try:
+        for line in procs[0].stdout:  # process 0 logs
+            if line.startswith("step") and " 3/" in line:
+                procs[1].terminate()  # a preemption notice to process 1 only
+                break
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [128 + 15] * 2, outs[0][-2000:] + outs[1][-2000:]
+    saved = int(outs[0].split("saved step ")[1].split()[0])
+    assert saved >= 4 and C.saved_steps(run) == [saved]  # one checkpoint, written by both
+    cfg = dataclasses.replace(TINY, run_dir=str(run), mesh=CF.MeshConfig(4, 1), steps=100000,
+                              log_every=1, checkpoint_every=100000)
+    assert int(restore_final(cfg, saved)["step"]) == saved
 
 # ---------------------------------------------------------------------------------------------
 # checkpoint.py: exact resume, across meshes, damaged checkpoints, older checkpoints
@@ -534,7 +566,7 @@ def test_a_restart_on_another_mesh_resumes_to_float_tolerance(straight_run, tmp_
     mngr.delete(6)  # as if the process died after the checkpoint at step 3
     mngr.wait_until_finished()
     # resume on a different mesh: the checkpoint is resharded on restore
-    on_4x2 = dataclasses.replace(resumed, mesh=T.MeshConfig(4, 2))
+    on_4x2 = dataclasses.replace(resumed, mesh=CF.MeshConfig(4, 2))
     T.train(on_4x2, devices=jax.devices())
     a, b = restore_final(cfg, 6), restore_final(resumed, 6)
     assert int(b["step"]) == 6
@@ -688,7 +720,7 @@ def test_a_checkpoint_written_before_the_split_restores_and_resumes_bitwise(tmp_
                           "--log-every", "2", "--run-dir", str(run)],
                          cwd=HERE, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "at step 2" in out.stdout, out.stdout + out.stderr
-    cfg = dataclasses.replace(T.load_config(old), run_dir=str(run))
+    cfg = dataclasses.replace(CF.load_config(old), run_dir=str(run))
     assert cfg.steps == 4 and cfg.max_consecutive_nonfinite == 20
     assert_trees_equal(restore_final(cfg, 4),
                        restore_final(dataclasses.replace(cfg, run_dir=str(old)), 4))
@@ -699,14 +731,14 @@ def test_a_checkpoint_written_before_the_split_restores_and_resumes_bitwise(tmp_
 
 def test_every_preset_and_flag_parses():
     cfg = T.parse_config([])
-    assert cfg == T.PRESETS["cpu"]
+    assert cfg == CF.PRESETS["cpu"]
     cfg = T.parse_config(["tiny", "--optim.lr", "0.02", "--model.qk-norm", "--steps", "7",
                           "--optim.update-clip", "rms", "--mesh.data", "4"])
     assert (cfg.optim.lr, cfg.model.qk_norm, cfg.steps) == (0.02, True, 7)
     assert cfg.optim.update_clip == "rms" and cfg.mesh.data == 4
     assert cfg.model.d_model == TINY.model.d_model
     assert T.parse_config(["marin-32b"]).model.n_layers == 64
-    for name, preset in T.PRESETS.items():  # every preset survives its own CLI round trip
+    for name, preset in CF.PRESETS.items():  # every preset survives its own CLI round trip
         assert T.parse_config([name]) == preset
 
 
@@ -714,7 +746,7 @@ def test_a_dry_run_of_marin_32b_prints_the_bytes_per_device(capsys):
     assert T.main(["marin-32b", "--dry-run", "--mesh.data", "256", "--mesh.model", "4"]) == 0
     out = capsys.readouterr().out
     assert "parameters" in out and "per device" in out
-    cfg = T.PRESETS["marin-32b"]
+    cfg = CF.PRESETS["marin-32b"]
     total, per_device = C.per_device_bytes(cfg.model, T.make_tx(cfg),
                                            dataclasses.asdict(cfg.mesh))
     assert total / 1024 < per_device < total / 1024 * 1.1  # 3 x 4 bytes x 32B, FSDP x TP
@@ -855,6 +887,88 @@ def test_sigterm_saves_a_checkpoint_and_says_where(tmp_path):
     assert int(restore_final(cfg, saved)["step"]) == saved
 
 
+def start_tiny_run(run: pathlib.Path, *flags: str) -> subprocess.Popen:
+    """A long tiny run in a subprocess that logs every step; stdout and stderr kept apart."""
+    return subprocess.Popen([sys.executable, "-u", "train.py", "tiny", "--steps", "100000",
+                             "--log-every", "1", "--run-dir", str(run), *flags], cwd=HERE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step(proc: subprocess.Popen, step: int) -> None:
+    for line in proc.stdout:
+        if line.startswith("step") and f" {step}/" in line:
+            return
+    raise AssertionError(f"the run ended before step {step}: {proc.stderr.read()[-2000:]}")
+
+
+def test_ctrl_c_twice_stops_at_once_in_one_line(tmp_path):
+    import signal
+    run = tmp_path / "run"
+    proc = start_tiny_run(run, "--checkpoint-every", "2", "--keep-checkpoints", "100")
+    try:
+        wait_for_step(proc, 5)
+        proc.send_signal(signal.SIGINT)
+        assert "SIGINT: saving a checkpoint" in proc.stdout.readline() + proc.stdout.readline()
+        proc.send_signal(signal.SIGINT)  # while the first one's checkpoint is being written
+        assert proc.wait(timeout=30) == 128 + 2
+        err = proc.stderr.read()
+    finally:
+        proc.kill()
+    assert err.count("\n") == 1 and "again: stopped without saving" in err, err
+    steps = C.saved_steps(run)
+    cfg = dataclasses.replace(TINY, run_dir=str(run), steps=100000, log_every=1,
+                              checkpoint_every=2, keep_checkpoints=100)
+    assert steps[-1] >= 4 and int(restore_final(cfg, steps[-1])["step"]) == steps[-1]
+
+
+def test_a_checkpoint_write_that_fails_ends_the_run_in_one_line(tmp_path):
+    import resource
+    import time
+    run = tmp_path / "run"
+    proc = start_tiny_run(run, "--checkpoint-every", "2", "--keep-checkpoints", "100")
+    try:
+        wait_for_step(proc, 5)  # checkpoints 2 and 4 written
+        # The disk fills up: no file may grow past 100 kB (a checkpoint needs more).
+        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (100_000, 100_000))
+        t0 = time.monotonic()
+        assert proc.wait(timeout=60) == 1
+        seconds, err = time.monotonic() - t0, proc.stderr.read()
+    finally:
+        proc.kill()
+    assert seconds < 20 and err.count("\n") == 1 and "File too large" in err, err
+    good = int(err.split("the last good checkpoint is step ")[1].split(".")[0])
+    cfg = dataclasses.replace(TINY, run_dir=str(run), steps=100000, log_every=1,
+                              checkpoint_every=2, keep_checkpoints=100)
+    assert good >= 4 and C.saved_steps(run)[-1] == good
+    assert int(restore_final(cfg, good)["step"]) == good  # intact
+
+
+def test_one_writer_per_run_directory(tmp_path, capsys):
+    run = tmp_path / "run"
+    with C.run_lock(run):  # another train.py holds the run (flock: per open file)
+        assert T.main(["tiny", "--mesh.data", "8", "--run-dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"is in use by another process (PID {os.getpid()})" in err and err.count("\n") == 1
+    assert not (run / "config.json").exists()
+    (run / "lock").write_text("999999999\n")  # left by a process killed with the lock held
+    said = []
+    with C.run_lock(run, announce=said.append):
+        assert (run / "lock").read_text() == f"{os.getpid()}\n"
+    assert said == [f"process 999999999 ended without releasing {run}/lock; taking it over"]
+    assert (run / "lock").read_text() == ""  # released cleanly
+
+
+def test_an_unreachable_coordinator_fails_in_one_line_within_the_timeout(tmp_path):
+    out = subprocess.run([sys.executable, "train.py", "tiny", "--dist.num-processes", "2",
+                          "--dist.process-id", "1", "--dist.coordinator",
+                          f"127.0.0.1:{free_port()}", "--dist.timeout", "2", "--run-dir",
+                          str(tmp_path / "r")], cwd=HERE, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "could not reach --dist.coordinator" in out.stderr and "within --dist.timeout 2s" \
+        in out.stderr and not (tmp_path / "r").exists()
+
+
 def test_a_run_stops_after_too_many_nonfinite_steps_in_a_row(tmp_path, capsys):
     # An absurd LR: the first step is applied, its parameters overflow the next forward pass,
     # and every step after that is non-finite (and skipped).
@@ -979,11 +1093,11 @@ def test_a_warm_started_run_rewarms_and_learns(warm_started):
     assert np.mean([m["loss"] for m in lines[-3:]]) < lines[0]["loss"]
     assert max(lines[-1]["attn_logit_max"]) <= np.sqrt(cfg.model.head_dim) + 1e-3
     # ... and back: the 4x2-written checkpoint resumes on one device
-    more = dataclasses.replace(cfg, steps=14, mesh=T.MeshConfig(1, 1))
+    more = dataclasses.replace(cfg, steps=14, mesh=CF.MeshConfig(1, 1))
     with pytest.raises(T.UserError, match="steps"):  # a longer run is a different config
         T.train(more, devices=jax.devices()[:1])
     on_4x2 = restore_final(cfg, 12)
-    one = dataclasses.replace(cfg, mesh=T.MeshConfig(1, 1), resume_step=9)
+    one = dataclasses.replace(cfg, mesh=CF.MeshConfig(1, 1), resume_step=9)
     assert T.train(one, devices=jax.devices()[:1])["step"] == 11 == last["step"]
     for a, b in zip(jax.tree.leaves(on_4x2), jax.tree.leaves(restore_final(cfg, 12))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-3)

@@ -11,8 +11,10 @@ NOTE for readers looking for `pjit`: in current JAX, `jax.jit` with shardings *i
 `jax.experimental.pjit` is deprecated. The mesh uses explicit sharding (`AxisType.Explicit`).
 """
 
+import contextlib
 import dataclasses
 import math
+import os
 import pathlib
 import signal
 import sys
@@ -22,99 +24,18 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import P
+from jax.experimental import multihost_utils
 
-from checkpoint import (abstract_state, checkpoint_manager, fresh_state, per_device_bytes,
-                        read_config, resume, save_checkpoint, strict_json, write_config)
+from checkpoint import (abstract_state, check_run_dir, checkpoint_manager, fresh_state,
+                        per_device_bytes, resume, run_lock, save_checkpoint, saved_steps,
+                        strict_json, write_config)
 from cli import UserError, command, parse
-from data import DataConfig, TokenData
-from distributed import (DistConfig, MeshConfig, check_fits, make_mesh, process_rows, say,
-                         start_distributed)
-from model import ModelConfig, count_params, decay_mask, flops_per_token, loss_fn
-from optim import OptimConfig, lr_schedule, make_optimizer, opt_metrics
+from config import PRESETS, TrainConfig, check_same_run, load_config
+from data import TokenData
+from distributed import check_fits, make_mesh, process_rows, say, start_distributed
+from model import count_params, decay_mask, flops_per_token, loss_fn
+from optim import lr_schedule, make_optimizer, opt_metrics
 from report import event_report, read_metrics
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    model: ModelConfig = ModelConfig()
-    optim: OptimConfig = OptimConfig()
-    data: DataConfig = DataConfig()
-    mesh: MeshConfig = MeshConfig()
-    dist: DistConfig = DistConfig()
-    run_dir: str = "runs/default"
-    steps: int = 400  # ~6 minutes on 2 CPU cores
-    seed: int = 0  # parameter init
-    log_every: int = 20  # progress line every this many steps (metrics.jsonl gets every step)
-    eval_every: int = 200  # held-out loss every this many steps, and at the end
-    checkpoint_every: int = 200
-    keep_checkpoints: int = 3
-    max_consecutive_nonfinite: int = 20  # stop after this many non-finite steps in a row
-    per_layer_metrics: bool = True  # per-layer grad/update norms and q/k weight norms
-    resume_step: int | None = None  # resume from this checkpoint instead of the latest
-    dry_run: bool = False  # print sizes and per-device bytes, allocate nothing
-
-    def __post_init__(self):
-        for name in ("steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
-                     "max_consecutive_nonfinite"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, "
-                                 f"got {getattr(self, name)}")
-        if self.mesh.data <= 0 or self.mesh.model <= 0:
-            raise ValueError("--mesh.data and --mesh.model must be positive")
-
-
-# Settings that may change when a run directory is resumed: they do not change the math.
-RESUMABLE = {"run_dir", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
-             "max_consecutive_nonfinite", "dry_run", "mesh.data", "mesh.model",
-             "data.replace_batches", "data.eval_sequences", "per_layer_metrics", "resume_step",
-             "dist.coordinator", "dist.num_processes", "dist.process_id", "dist.auto"}
-# Names a config.json written by an earlier version may use, and what they are called now.
-RENAMED = {"data.skip_steps": "data.replace_batches",
-           "max_consecutive_skips": "max_consecutive_nonfinite"}
-
-PRESETS = {
-    "cpu": TrainConfig(model=ModelConfig(scan_layers=False)),  # 4 layers: unrolled is faster
-    "tiny": TrainConfig(
-        model=ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128),
-        optim=OptimConfig(lr=1e-2, warmup_steps=5),
-        data=DataConfig(seq_len=32, batch_size=8),
-        run_dir="runs/tiny", steps=20, log_every=5, eval_every=10, checkpoint_every=10),
-    # The spike experiments (experiments.py) run at d_model 64 (d_ff 172): a high, constant LR
-    # 3e-2 after a 10-step warmup, Adam's beta2 0.999 (a stale second moment) and no gradient
-    # clipping, no QK-Norm: the baseline of the story (~2 minutes on 2 cores).
-    "spiky-long": TrainConfig(
-        model=ModelConfig(d_model=64, d_ff=172),
-        optim=OptimConfig(lr=3e-2, warmup_steps=10, b2=0.999, max_grad_norm=0.0,
-                          min_lr_ratio=1.0),
-        data=DataConfig(batch_size=16),
-        run_dir="runs/spiky-long", steps=600, log_every=100, eval_every=300,
-        checkpoint_every=100, keep_checkpoints=10),
-    # The LR sweep: the same model, beta2 0.99, clipping at 1, cosine decay; 100 steps.
-    "spiky": TrainConfig(
-        model=ModelConfig(d_model=64, d_ff=172),
-        optim=OptimConfig(lr=3e-2, warmup_steps=10, b2=0.99),
-        data=DataConfig(batch_size=16),
-        run_dir="runs/spiky", steps=100, log_every=50, eval_every=100, checkpoint_every=100),
-    # Looking for Marin's "Bad Spike" (a rise that does not settle back): spiky-long longer,
-    # with Adam's eps 1e-15 and neither weight decay nor z-loss (Molybog et al. 2304.13013:
-    # a tiny eps lets time-correlated gradients blow up Adam's update). ~4 minutes on 2 cores.
-    "bad-spike": TrainConfig(
-        model=ModelConfig(d_model=64, d_ff=172, z_loss_weight=0.0),
-        optim=OptimConfig(lr=3e-2, warmup_steps=10, b2=0.999, eps=1e-15, weight_decay=0.0,
-                          max_grad_norm=0.0, min_lr_ratio=1.0),
-        data=DataConfig(batch_size=16),
-        run_dir="runs/bad-spike", steps=1500, log_every=250, eval_every=500,
-        checkpoint_every=100, keep_checkpoints=20),
-    # The real Marin 32B shape and optimizer (Marin's exp1295_32b); for --dry-run on a laptop.
-    "marin-32b": TrainConfig(
-        model=ModelConfig(vocab_size=128_256, d_model=5120, n_layers=64, n_heads=40,
-                          n_kv_heads=8, d_ff=27_648, rope_theta=500_000.0, dtype="bfloat16"),
-        optim=OptimConfig(lr=7e-4, weight_decay=0.05, warmup_steps=10_000, decay="linear",
-                          decay_fraction=0.4, min_lr_ratio=0.1),
-        data=DataConfig(seq_len=4096, batch_size=8192),
-        mesh=MeshConfig(data=256, model=4),
-        run_dir="runs/marin-32b", steps=160_000, checkpoint_every=1000, eval_every=1000),
-}
 
 
 def parse_config(argv: list[str]) -> TrainConfig:
@@ -130,46 +51,6 @@ def parse_flags(default: TrainConfig, args: list[str]) -> TrainConfig:
     """tyro over TrainConfig with `default` as the defaults; a bad flag is a UserError."""
     return parse(TrainConfig, args, default=default,
                  description=f"{__doc__}\nPresets: {', '.join(PRESETS)}.")
-
-
-def flatten(d: dict, prefix: str = "") -> dict:
-    """{"optim": {"lr": 1e-3}} -> {"optim.lr": 1e-3}"""
-    return {k2: v2 for k, v in d.items() for k2, v2 in
-            (flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}).items()}
-
-
-def config_from_dict(d: dict) -> TrainConfig:
-    """A TrainConfig from its asdict() form, as config.json stores it (older names renamed)."""
-    subs = {"model": ModelConfig, "optim": OptimConfig, "data": DataConfig, "mesh": MeshConfig,
-            "dist": DistConfig}
-    nested: dict = {}
-    for key, value in flatten(d).items():
-        *parents, leaf = RENAMED.get(key, key).split(".")
-        node = nested
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return TrainConfig(**{k: subs[k](**v) if k in subs else v for k, v in nested.items()})
-
-
-def load_config(run_dir: pathlib.Path) -> TrainConfig | None:
-    """The config stored in a run directory; None if it has none."""
-    stored = read_config(run_dir)
-    try:
-        return None if stored is None else config_from_dict(stored)
-    except (ValueError, TypeError, AttributeError) as e:
-        raise UserError(f"{run_dir}/config.json is not a spikefix config ({e})") from None
-
-
-def check_same_run(stored: TrainConfig, cfg: TrainConfig) -> None:
-    """A run directory holds one run: its config must agree with the flags, but for RESUMABLE."""
-    old, new = flatten(dataclasses.asdict(stored)), flatten(dataclasses.asdict(cfg))
-    diffs = [f"{k} (run has {old.get(k)!r}, flags give {new.get(k)!r})"
-             for k in sorted(set(old) | set(new))
-             if k not in RESUMABLE and old.get(k) != new.get(k)]
-    if diffs:
-        raise UserError(f"{cfg.run_dir} holds a run with a different config: {'; '.join(diffs)}"
-                        ". Pass the same flags to resume, or use a new --run-dir")
 
 
 def setup_mesh(cfg: TrainConfig, devices) -> jax.sharding.Mesh:
@@ -251,19 +132,38 @@ def dry_run(cfg: TrainConfig) -> None:
 
 
 class StopRequested:
-    """SIGINT / SIGTERM set a flag; the loop saves a checkpoint at the next step boundary."""
+    """SIGINT / SIGTERM: save a checkpoint at the next step boundary, then exit. A second
+    signal stops at once, saving nothing (the latest complete checkpoint stays the latest).
 
-    def __init__(self):
-        self.signal = None
-        for sig in (signal.SIGINT, signal.SIGTERM):
+    On several processes a per-process flag could deadlock the collective save (one process
+    saving step s, another s+1), so SIGTERM is left to JAX's preemption service: a signal to
+    any process reaches all, and every process stops after the same step
+    (`reached_preemption_sync_point`). Ctrl-C there is passed on as a SIGTERM to itself."""
+
+    def __init__(self, run_dir: pathlib.Path):
+        self.signal, self.run_dir = None, run_dir
+        self.multi = jax.process_count() > 1
+        for sig in (signal.SIGINT,) if self.multi else (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self.handle)
 
     def handle(self, signum, frame):
-        if self.signal is not None:  # a second Ctrl-C: stop now
-            raise KeyboardInterrupt
+        name = signal.Signals(signum).name
+        if self.signal is not None:
+            print(flush=True)  # past the terminal's ^C
+            print(f"{name} again: stopped without saving; the latest complete checkpoint in "
+                  f"{self.run_dir} is where the same command resumes", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
         self.signal = signum
-        print(f"\n{signal.Signals(signum).name}: saving a checkpoint after this step...",
-              flush=True)
+        print(f"\n{name}: saving a checkpoint after this step...", flush=True)
+        if self.multi:  # to JAX's preemption notifier, which tells every process
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def requested(self, step: int) -> bool:
+        """Whether to save and stop after `step` (called once per step, on every process)."""
+        if self.multi and multihost_utils.reached_preemption_sync_point(step):
+            self.signal = self.signal or signal.SIGTERM
+            return True
+        return self.signal is not None and not self.multi
 
 
 class Log:
@@ -271,7 +171,10 @@ class Log:
 
     def __init__(self, cfg: TrainConfig, run_dir: pathlib.Path, start: int):
         self.cfg, self.start, self.nonfinite = cfg, start, 0
-        self.file = open(run_dir / "metrics.jsonl", "a") if jax.process_index() == 0 else None
+        self.file = None
+        if jax.process_index() == 0:
+            drop_torn_line(run_dir / "metrics.jsonl")
+            self.file = open(run_dir / "metrics.jsonl", "a")
         self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
         self.t_start = self.t_prev = time.perf_counter()
         self.t_first = None  # the first record's time: the average excludes the compile
@@ -304,6 +207,37 @@ class Log:
         return self.tokens_per_step * (last_step - self.start) / (self.t_prev - self.t_first)
 
 
+def drop_torn_line(path: pathlib.Path) -> None:
+    """Cut a last line left half-written by a crash (a host failure, a full disk), so that the
+    records appended after it stay one per line."""
+    if not path.exists():
+        return
+    with open(path, "rb+") as f:
+        tail_start = max(0, f.seek(0, os.SEEK_END) - 2**20)
+        f.seek(tail_start)
+        tail = f.read()
+        if tail and not tail.endswith(b"\n"):
+            f.truncate(tail_start + tail.rfind(b"\n") + 1)
+            say(f"note: dropped the cut-off last line of {path} (a crash mid-write)")
+
+
+def checkpoint_failed(error: Exception, run_dir: pathlib.Path) -> None:
+    """A checkpoint could not be written: one line naming the cause and the last good
+    checkpoint, then exit at once (orbax's writer threads would otherwise keep the process
+    alive for ever after the failure)."""
+    cause = str(error).split(" [tensorstore_spec")[0].split("\n")[0]
+    try:
+        good = saved_steps(run_dir)
+    except Exception:
+        good = []
+    sys.stdout.flush()
+    print(f"error: writing a checkpoint to {run_dir}/checkpoints failed ({type(error).__name__}: "
+          f"...{cause[-160:]}); the last good checkpoint is "
+          f"{f'step {good[-1]}' if good else 'none'}. Fix the cause (disk space?) and resume "
+          "with the same command", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
 def fmt_time(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
@@ -320,10 +254,12 @@ def train(cfg: TrainConfig, devices=None) -> dict:
     stored = load_config(run_dir)
     if stored is not None:
         check_same_run(stored, cfg)
+    check_run_dir(run_dir, cfg.resume_step)
     data = load_data(cfg)
     tx = make_tx(cfg)
     target = abstract_state(cfg.model, tx, mesh)
-    with jax.set_mesh(mesh):
+    lock = run_lock(run_dir, say) if jax.process_index() == 0 else contextlib.nullcontext()
+    with lock, jax.set_mesh(mesh):
         mngr, state = resume(run_dir, target, cfg.keep_checkpoints, cfg.resume_step, say)
         if state is None:
             state = fresh_state(cfg.model, cfg.seed, tx, target)
@@ -346,10 +282,20 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir) -> dict:
         return jax.make_array_from_process_local_data(batch_sharding, tokens)
 
     eval_tokens = put_held_out(data, mesh, rows)
-    stop = StopRequested()
+    stop = StopRequested(run_dir)
     start = int(state["step"])
     log = Log(cfg, run_dir, start)
     prev, last = None, {}
+
+    def checkpoint(step=None):  # save step's state (async), or wait for the saves to finish
+        try:
+            if step is None:
+                mngr.wait_until_finished()
+            else:
+                save_checkpoint(mngr, step, state, dataclasses.asdict(cfg))
+        except Exception as e:
+            checkpoint_failed(e, run_dir)
+
     for step in range(start, cfg.steps):
         state, metrics = train_step(state, put(data.batch(step, rows)))  # dispatch: async
         done = step + 1
@@ -361,27 +307,31 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir) -> dict:
         if prev is not None:
             last = log.record(*prev)
             if log.nonfinite >= cfg.max_consecutive_nonfinite:
-                mngr.wait_until_finished()
+                checkpoint()
                 print(f"stopping: {log.nonfinite} non-finite steps in a row (last at step "
                       f"{prev[0]}); parameters were left unchanged by them. Last checkpoint: "
                       f"step {mngr.latest_step()} in {run_dir}", file=sys.stderr)
                 sys.exit(1)
         prev = (step, metrics)
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps or stop.signal:
-            save_checkpoint(mngr, done, state, dataclasses.asdict(cfg))
-        if stop.signal:
+        stopping = stop.requested(step)
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping:
+            checkpoint(done)
+        if stopping:
             break
     if prev is not None:
         last = log.record(*prev)
         if last["step"] > start:
             last["avg_tokens_per_s"] = log.average_tokens_per_s(last["step"])
-    mngr.wait_until_finished()
+    checkpoint()
     if stop.signal:
-        print(f"saved step {prev[0] + 1} to {run_dir}; resume with the same command")
+        say(f"saved step {prev[0] + 1} to {run_dir}; resume with the same command")
         sys.exit(128 + stop.signal)
     if log.file:
         log.file.close()
-        print(event_report(read_metrics(run_dir), str(run_dir)))
+        try:  # the run is saved; a report that cannot be made is a note, not a failure
+            print(event_report(read_metrics(run_dir), str(run_dir)))
+        except UserError as e:
+            print(f"note: no spike report: {e}", file=sys.stderr)
     return last
 
 

@@ -28,6 +28,7 @@ import tyro
 import checkpoint
 import train
 from cli import UserError, command, parse
+from config import TrainConfig, load_config
 from optim import lr_schedule
 
 
@@ -50,8 +51,8 @@ def parse_args(argv: list[str]) -> tuple[WarmStartArgs, list[str]]:
                         "[train.py flags])") from None
 
 
-def target_config(source: train.TrainConfig, args: WarmStartArgs, step: int,
-                  overrides: list[str]) -> train.TrainConfig:
+def target_config(source: TrainConfig, args: WarmStartArgs, step: int,
+                  overrides: list[str]) -> TrainConfig:
     """Source config + QK-Norm + re-warmup at `step`, then the user's train.py flags."""
     optim = dataclasses.replace(source.optim, rewarmup_start=step,
                                 rewarmup_steps=args.rewarmup_steps,
@@ -90,7 +91,7 @@ def carry(source_state, target, init_new) -> tuple[dict, list, list, list]:
     return state, carried, new, dropped
 
 
-def init_new_leaves(cfg: train.TrainConfig, tx, target):
+def init_new_leaves(cfg: TrainConfig, tx, target):
     """`keys -> {key: fresh value}` for some leaves of a new train state, computed alone (XLA
     drops the rest of the init) and placed in the shardings `target` carries."""
     def init_new(keys):
@@ -107,9 +108,9 @@ def init_new_leaves(cfg: train.TrainConfig, tx, target):
     return init_new
 
 
-def load_source(run: pathlib.Path, step: int | None) -> tuple[train.TrainConfig, int]:
+def load_source(run: pathlib.Path, step: int | None) -> tuple[TrainConfig, int]:
     """(config, step) of a source run directory's checkpoint (default: the latest)."""
-    cfg = train.load_config(run)
+    cfg = load_config(run)
     if cfg is None:
         raise UserError(f"--from {run}: no config.json there; give a train.py run directory")
     if cfg.model.qk_norm:
@@ -123,8 +124,8 @@ def load_source(run: pathlib.Path, step: int | None) -> tuple[train.TrainConfig,
     return cfg, step if step is not None else steps[-1]
 
 
-def convert_checkpoint(src_run: pathlib.Path, step: int, src_cfg: train.TrainConfig,
-                       cfg: train.TrainConfig, mesh, dst_run: pathlib.Path):
+def convert_checkpoint(src_run: pathlib.Path, step: int, src_cfg: TrainConfig,
+                       cfg: TrainConfig, mesh, dst_run: pathlib.Path):
     """The surgery: restore the source state onto `mesh`, carry it into cfg's state, save it to
     dst_run at the same step. Returns (source state, converted state, carried, new, dropped)."""
     src_tx, tx = train.make_tx(src_cfg), train.make_tx(cfg)
@@ -144,7 +145,7 @@ def convert_checkpoint(src_run: pathlib.Path, step: int, src_cfg: train.TrainCon
     return source, state, carried, new, dropped
 
 
-def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> train.TrainConfig:
+def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> TrainConfig:
     """Write NEW_RUN with the converted checkpoint; print what happened. Returns its config."""
     src_run, dst_run = pathlib.Path(args.source), pathlib.Path(args.to)
     if dst_run.exists() and (not dst_run.is_dir() or any(dst_run.iterdir())):

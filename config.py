@@ -1,0 +1,175 @@
+"""The run's configuration: TrainConfig (model, optim, data, mesh, dist and the loop's
+settings), the presets, and the config.json round trip.
+
+    cfg = PRESETS["tiny"]                           # then train.py's flags override it
+    cfg = load_config(run_dir)                       # what a run directory holds, checked
+    check_same_run(cfg, new_cfg)                     # a UserError naming every difference
+
+Every value is checked when a config is built, from flags or from config.json: a wrong type, a
+NaN, an infinity or a value out of range is a UserError before anything is written.
+"""
+
+import dataclasses
+import pathlib
+import types
+import typing
+
+from checkpoint import read_config
+from cli import UserError
+from data import DataConfig
+from distributed import DistConfig, MeshConfig
+from model import ModelConfig
+from optim import OptimConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig = ModelConfig()
+    optim: OptimConfig = OptimConfig()
+    data: DataConfig = DataConfig()
+    mesh: MeshConfig = MeshConfig()
+    dist: DistConfig = DistConfig()
+    run_dir: str = "runs/default"
+    steps: int = 400  # ~6 minutes on 2 CPU cores
+    seed: int = 0  # parameter init
+    log_every: int = 20  # progress line every this many steps (metrics.jsonl gets every step)
+    eval_every: int = 200  # held-out loss every this many steps, and at the end
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 3
+    max_consecutive_nonfinite: int = 20  # stop after this many non-finite steps in a row
+    per_layer_metrics: bool = True  # per-layer grad/update norms and q/k weight norms
+    resume_step: int | None = None  # resume from this checkpoint instead of the latest
+    dry_run: bool = False  # print sizes and per-device bytes, allocate nothing
+
+    def __post_init__(self):
+        for name in ("steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
+                     "max_consecutive_nonfinite"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, "
+                                 f"got {getattr(self, name)}")
+        if self.mesh.data <= 0 or self.mesh.model <= 0:
+            raise ValueError("--mesh.data and --mesh.model must be positive")
+
+
+# Settings that may change when a run directory is resumed: they do not change the math.
+RESUMABLE = {"run_dir", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
+             "max_consecutive_nonfinite", "dry_run", "mesh.data", "mesh.model",
+             "data.replace_batches", "data.eval_sequences", "per_layer_metrics", "resume_step",
+             "dist.coordinator", "dist.num_processes", "dist.process_id", "dist.auto",
+             "dist.timeout"}
+# Names a config.json written by an earlier version may use, and what they are called now.
+RENAMED = {"data.skip_steps": "data.replace_batches",
+           "max_consecutive_skips": "max_consecutive_nonfinite"}
+
+PRESETS = {
+    "cpu": TrainConfig(model=ModelConfig(scan_layers=False)),  # 4 layers: unrolled is faster
+    "tiny": TrainConfig(
+        model=ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128),
+        optim=OptimConfig(lr=1e-2, warmup_steps=5),
+        data=DataConfig(seq_len=32, batch_size=8),
+        run_dir="runs/tiny", steps=20, log_every=5, eval_every=10, checkpoint_every=10),
+    # The spike experiments (experiments.py) run at d_model 64 (d_ff 172): a high, constant LR
+    # 3e-2 after a 10-step warmup, Adam's beta2 0.999 (a stale second moment) and no gradient
+    # clipping, no QK-Norm: the baseline of the story (~2 minutes on 2 cores).
+    "spiky-long": TrainConfig(
+        model=ModelConfig(d_model=64, d_ff=172),
+        optim=OptimConfig(lr=3e-2, warmup_steps=10, b2=0.999, max_grad_norm=0.0,
+                          min_lr_ratio=1.0),
+        data=DataConfig(batch_size=16),
+        run_dir="runs/spiky-long", steps=600, log_every=100, eval_every=300,
+        checkpoint_every=100, keep_checkpoints=10),
+    # The LR sweep: the same model, beta2 0.99, clipping at 1, cosine decay; 100 steps.
+    "spiky": TrainConfig(
+        model=ModelConfig(d_model=64, d_ff=172),
+        optim=OptimConfig(lr=3e-2, warmup_steps=10, b2=0.99),
+        data=DataConfig(batch_size=16),
+        run_dir="runs/spiky", steps=100, log_every=50, eval_every=100, checkpoint_every=100),
+    # Looking for Marin's "Bad Spike" (a rise that does not settle back): spiky-long longer,
+    # with Adam's eps 1e-15 and neither weight decay nor z-loss (Molybog et al. 2304.13013:
+    # a tiny eps lets time-correlated gradients blow up Adam's update). ~4 minutes on 2 cores.
+    "bad-spike": TrainConfig(
+        model=ModelConfig(d_model=64, d_ff=172, z_loss_weight=0.0),
+        optim=OptimConfig(lr=3e-2, warmup_steps=10, b2=0.999, eps=1e-15, weight_decay=0.0,
+                          max_grad_norm=0.0, min_lr_ratio=1.0),
+        data=DataConfig(batch_size=16),
+        run_dir="runs/bad-spike", steps=1500, log_every=250, eval_every=500,
+        checkpoint_every=100, keep_checkpoints=20),
+    # The real Marin 32B shape and optimizer (Marin's exp1295_32b); for --dry-run on a laptop.
+    "marin-32b": TrainConfig(
+        model=ModelConfig(vocab_size=128_256, d_model=5120, n_layers=64, n_heads=40,
+                          n_kv_heads=8, d_ff=27_648, rope_theta=500_000.0, dtype="bfloat16"),
+        optim=OptimConfig(lr=7e-4, weight_decay=0.05, warmup_steps=10_000, decay="linear",
+                          decay_fraction=0.4, min_lr_ratio=0.1),
+        data=DataConfig(seq_len=4096, batch_size=8192),
+        mesh=MeshConfig(data=256, model=4),
+        run_dir="runs/marin-32b", steps=160_000, checkpoint_every=1000, eval_every=1000),
+}
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """{"optim": {"lr": 1e-3}} -> {"optim.lr": 1e-3}"""
+    return {k2: v2 for k, v in d.items() for k2, v2 in
+            (flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}).items()}
+
+
+def config_from_dict(d: dict) -> TrainConfig:
+    """A TrainConfig from its asdict() form, as config.json stores it (older names renamed)."""
+    subs = {"model": ModelConfig, "optim": OptimConfig, "data": DataConfig, "mesh": MeshConfig,
+            "dist": DistConfig}
+    nested: dict = {}
+    for key, value in flatten(d).items():
+        *parents, leaf = RENAMED.get(key, key).split(".")
+        node = nested
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    for key, value in flatten(nested).items():
+        check_type(key, value)
+    return TrainConfig(**{k: subs[k](**v) if k in subs else v for k, v in nested.items()})
+
+
+def check_type(key: str, value) -> None:
+    """Raise TypeError unless `value` fits the type TrainConfig declares for "optim.lr" etc.
+    (a config.json edited by hand, or from elsewhere, may hold anything)."""
+    cls, *path = TrainConfig, *key.split(".")
+    for name in path:
+        hints = typing.get_type_hints(cls)
+        if name not in hints:
+            raise TypeError(f"unknown setting {key!r}")
+        cls = hints[name]
+    options = typing.get_args(cls) if typing.get_origin(cls) in (typing.Union,
+                                                                 types.UnionType) else (cls,)
+    for t in options:
+        if typing.get_origin(t) is typing.Literal:
+            ok = value in typing.get_args(t)
+        elif t is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif t is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, t if t is not type(None) else type(None))
+        if ok:
+            return
+    raise TypeError(f"{key} is {value!r}, not a {cls}")
+
+
+def load_config(run_dir: pathlib.Path) -> TrainConfig | None:
+    """The config stored in a run directory; None if it has none."""
+    stored = read_config(run_dir)
+    try:
+        return None if stored is None else config_from_dict(stored)
+    except (ValueError, TypeError, AttributeError) as e:
+        raise UserError(f"{run_dir}/config.json is not a spikefix config ({e})") from None
+
+
+def check_same_run(stored: TrainConfig, cfg: TrainConfig) -> None:
+    """A run directory holds one run: its config must agree with the flags, but for RESUMABLE."""
+    old, new = flatten(dataclasses.asdict(stored)), flatten(dataclasses.asdict(cfg))
+    diffs = [f"{k} (run has {old.get(k)!r}, flags give {new.get(k)!r})"
+             for k in sorted(set(old) | set(new))
+             if k not in RESUMABLE and old.get(k) != new.get(k)]
+    if diffs:
+        raise UserError(f"{cfg.run_dir} holds a run with a different config: {'; '.join(diffs)}"
+                        ". Pass the same flags to resume, or use a new --run-dir")
+
+
