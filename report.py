@@ -131,8 +131,10 @@ def read_metrics(run: str | pathlib.Path) -> dict[str, np.ndarray]:
             record = json.loads(line)
             by_step[int(record["step"])] = record
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            if n == len(lines):
-                continue  # a last line cut off by a crash mid-write
+            if n == len(lines):  # a last line cut off by a crash mid-write
+                print(f"note: {path}:{n} is cut off (a crash mid-write?); skipped it",
+                      file=sys.stderr)
+                continue
             raise UserError(f"{path}:{n} is not a metrics record; was the file edited?") from None
     if not by_step:
         raise UserError(f"{path} is empty: the run has not finished a step yet")
@@ -154,13 +156,15 @@ def outliers(x: np.ndarray, rule: SpikeRule, min_height: float = 0.0
     history, ranges, start, thr, mean = [], [], None, math.inf, 0.0
     for i, v in enumerate(x):
         if start is None:
-            if len(history) >= rule.window // 2:
+            armed = len(history) >= rule.window // 2
+            if armed:
                 h = np.array(history[-rule.window:])
                 mean, thr = h.mean(), h.mean() + max(rule.sigma * h.std(ddof=1), min_height)
-            if not math.isfinite(v) or v > thr:
+            if (armed and not math.isfinite(v)) or v > thr:
                 start = i
                 continue
-            history.append(v)
+            if math.isfinite(v):  # before there is a level to measure from, a NaN is no spike
+                history.append(v)
         elif (math.isfinite(v) and v <= thr) or i - start >= rule.window:
             ranges.append((start, i, mean))
             if i - start >= rule.window:  # the level moved: the new level is the history

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -581,8 +582,12 @@ def test_a_restart_on_the_same_mesh_resumes_bitwise(straight_run, tmp_path):
     mngr = C.checkpoint_manager(tmp_path / "r", resumed.keep_checkpoints)
     mngr.delete(6)
     mngr.wait_until_finished()
+    with open(tmp_path / "r" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "loss": 2.')  # the host died mid-write
     T.train(resumed, devices=jax.devices()[:1])
     assert_trees_equal(restore_final(cfg, 6), restore_final(resumed, 6))
+    lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()  # torn line dropped
+    assert [json.loads(x)["step"] for x in lines] == [0, 1, 2, 3, 4, 5, 3, 4, 5]
 
 
 def test_checkpoint_from_4x2_restores_identically_on_2x1_and_1x1(tmp_path):
@@ -1115,11 +1120,14 @@ def test_warmstart_leaves_the_source_untouched(warm_started):
     ("dst_not_empty", "exists and is not empty"),
     ("bad_step", "no checkpoint at step 5; it has [3, 6]"),
     ("shape_change", "in the source but"),
+    ("to_inside_from", "lies inside --from"),
+    ("steps_not_beyond", "--steps 6 does not go beyond the checkpoint's step 6"),
+    ("another_warm_start", "rewarmup_steps (run has 1000, flags give 7)"),
 ])
 def test_warmstart_refuses_a_bad_source_in_one_line(case, message, straight_run, tmp_path, capsys):
     src_cfg, _ = straight_run
     src, dst = src_cfg.run_dir, tmp_path / "dst"
-    extra = ["--mesh.data", "8"]
+    extra = ["--mesh.data", "8"] + ([] if case == "steps_not_beyond" else ["--steps", "12"])
     if case == "missing":
         src = str(tmp_path / "nope")
     elif case == "no_checkpoint":
@@ -1140,11 +1148,56 @@ def test_warmstart_refuses_a_bad_source_in_one_line(case, message, straight_run,
         extra += ["--step", "5"]
     elif case == "shape_change":
         extra += ["--model.d-ff", "256"]
+    elif case == "to_inside_from":
+        dst = pathlib.Path(src) / "rescued"
+    elif case == "another_warm_start":  # --to holds a warm start made with other flags
+        shutil.copytree(src, dst)
+        stored = json.loads((dst / "config.json").read_text())
+        stored["optim"] |= {"rewarmup_start": 6, "rewarmup_steps": 1000}
+        stored["model"]["qk_norm"], stored["steps"], stored["run_dir"] = True, 12, str(dst)
+        (dst / "config.json").write_text(json.dumps(stored))
+        extra += ["--rewarmup-steps", "7"]
     before = tree_hashes(tmp_path)
     code = W.main(["--from", src, "--to", str(dst), "--no-train"] + extra)
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1, err
     assert tree_hashes(tmp_path) == before
+
+
+def test_the_same_warmstart_command_resumes_after_a_kill(straight_run, tmp_path):
+    cmd = [sys.executable, "-u", "warmstart.py", "--from", straight_run[0].run_dir, "--to",
+           str(tmp_path / "new"), "--steps", "100", "--rewarmup-steps", "4",
+           "--checkpoint-every", "4", "--log-every", "1"]
+    proc = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        wait_for_step(proc, 11)  # converted at step 6, trained on past the checkpoint at 8
+    finally:
+        proc.kill()
+    proc.wait()
+    killed_at = C.saved_steps(tmp_path / "new")[-1]
+    again = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert killed_at >= 8 and "already holds this warm start" in again.stdout
+    assert f"resumed {tmp_path / 'new'} at step {killed_at}" in again.stdout
+    assert "done: step 100" in again.stdout
+
+
+def test_a_conversion_killed_mid_save_leaves_no_run_behind(straight_run, tmp_path, monkeypatch):
+    src, dst = straight_run[0].run_dir, tmp_path / "new"
+    argv = ["--from", src, "--to", str(dst), "--steps", "12", "--no-train", "--mesh.data", "8"]
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # as if SIGKILL arrived while the checkpoint was written
+    with monkeypatch.context() as m:
+        m.setattr(C, "save_checkpoint", killed)
+        with pytest.raises(KeyboardInterrupt):
+            W.main(argv)
+    assert not dst.exists() and (tmp_path / "new.converting" / "config.json").exists()
+    with pytest.raises(T.UserError, match="no config.json"):  # nothing to start fresh from
+        W.load_source(dst, None)
+    assert W.main(argv) == 0  # the same command again converts from scratch
+    assert C.saved_steps(dst) == [6] and not (tmp_path / "new.converting").exists()
 
 
 @pytest.fixture(scope="module")
@@ -1263,6 +1316,20 @@ def test_the_spike_report_finds_planted_spikes(tmp_path):
     assert second.update_lead is None and second.recovered_after is None
     table = R.spike_table(spikes)
     assert "3 steps" in table and "never" in table
+
+
+def test_a_nan_in_the_first_steps_is_no_spike_and_moves_no_level(tmp_path, capsys):
+    run = planted_metrics(tmp_path / "run")
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    for i in range(3):  # steps 0-2 diverged (written null, as train.py writes a NaN)
+        lines[i] = lines[i].replace(json.dumps(json.loads(lines[i])["loss"]), "null", 1)
+    (run / "metrics.jsonl").write_text("\n".join(lines))
+    m = R.read_metrics(run)
+    assert np.isnan(m["loss"][:3]).all() and "metrics.jsonl:301 is cut off" in \
+        capsys.readouterr().err
+    spikes = R.find_spikes(m)
+    assert [s.step for s in spikes] == [120, 200] and spikes[0].pre_level == pytest.approx(2.0)
+    assert R.main([str(run)]) == 0 and "2 loss spikes" in capsys.readouterr().out
 
 
 def test_report_draws_figures_that_are_not_blank(tmp_path, capsys):

@@ -12,12 +12,13 @@ The target config is the source's `config.json` with `model.qk_norm` on, a re-wa
 the checkpoint's step, and any train.py flag given after these (`--steps`, `--optim.*`,
 `--mesh.*`, `--data.replace-batches A:B`, ...). NEW_RUN gets that config and a checkpoint at the
 same step holding the converted state; training then continues there exactly as a plain resume
-would.
-The source run directory is only read.
+would; after a kill, the same warmstart.py command resumes it. The source run directory is
+only read.
 """
 
 import dataclasses
 import pathlib
+import shutil
 import sys
 import time
 from typing import Annotated
@@ -28,14 +29,14 @@ import tyro
 import checkpoint
 import train
 from cli import UserError, command, parse
-from config import TrainConfig, load_config
+from config import TrainConfig, check_same_run, load_config
 from optim import lr_schedule
 
 
 @dataclasses.dataclass(frozen=True)
 class WarmStartArgs:
     source: Annotated[str, tyro.conf.arg(name="from")]  # run directory to convert (read only)
-    to: str  # new run directory (must not exist, or be empty)
+    to: str  # new run directory (must not exist, or be empty; or hold this warm start: resumed)
     step: int | None = None  # checkpoint to convert; default the latest
     rewarmup_steps: int = 1000  # Marin: 1,000
     rewarmup_from_ratio: float = 0.1  # Marin: from 0.1 x peak
@@ -127,7 +128,10 @@ def load_source(run: pathlib.Path, step: int | None) -> tuple[TrainConfig, int]:
 def convert_checkpoint(src_run: pathlib.Path, step: int, src_cfg: TrainConfig,
                        cfg: TrainConfig, mesh, dst_run: pathlib.Path):
     """The surgery: restore the source state onto `mesh`, carry it into cfg's state, save it to
-    dst_run at the same step. Returns (source state, converted state, carried, new, dropped)."""
+    dst_run at the same step. Returns (source state, converted state, carried, new, dropped).
+    Everything is written to DST.converting/ first and renamed to dst_run only once the
+    checkpoint is complete: a conversion killed half-way leaves no run that could start over
+    from random parameters under the warm-started config."""
     src_tx, tx = train.make_tx(src_cfg), train.make_tx(cfg)
     src_mngr = checkpoint.checkpoint_manager(src_run, read_only=True)
     try:  # restored straight onto the target mesh, whatever mesh wrote it
@@ -138,23 +142,51 @@ def convert_checkpoint(src_run: pathlib.Path, step: int, src_cfg: TrainConfig,
                         f"({type(e).__name__}); pick another with --step") from None
     target = checkpoint.abstract_state(cfg.model, tx, mesh)
     state, carried, new, dropped = carry(source, target, init_new_leaves(cfg, tx, target))
-    checkpoint.write_config(dst_run, dataclasses.asdict(cfg))
-    mngr = checkpoint.checkpoint_manager(dst_run, cfg.keep_checkpoints)
+    partial = dst_run.with_name(dst_run.name + ".converting")
+    if partial.exists():  # what a killed conversion left: never a run, safe to remove
+        shutil.rmtree(partial)
+    checkpoint.write_config(partial, dataclasses.asdict(cfg))
+    mngr = checkpoint.checkpoint_manager(partial, cfg.keep_checkpoints)
     checkpoint.save_checkpoint(mngr, step, state, dataclasses.asdict(cfg))
     mngr.wait_until_finished()
+    if dst_run.exists():
+        dst_run.rmdir()  # empty (checked before)
+    partial.rename(dst_run)
     return source, state, carried, new, dropped
 
 
-def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> TrainConfig:
-    """Write NEW_RUN with the converted checkpoint; print what happened. Returns its config."""
-    src_run, dst_run = pathlib.Path(args.source), pathlib.Path(args.to)
+def check_target(args: WarmStartArgs, cfg: TrainConfig, step: int) -> bool:
+    """Refuse what cannot work before anything is written; True if --to already holds this
+    very warm start (the same command run again, after a kill): then it is resumed."""
+    src_run, dst_run = pathlib.Path(args.source).resolve(), pathlib.Path(args.to).resolve()
+    if dst_run == src_run or src_run in dst_run.parents:
+        raise UserError(f"--to {args.to} lies inside --from {args.source}: choose a directory "
+                        "outside the source run")
     if dst_run.exists() and (not dst_run.is_dir() or any(dst_run.iterdir())):
-        raise UserError(f"--to {dst_run} exists and is not empty: choose a new directory")
-    src_cfg, step = load_source(src_run, args.step)
-    cfg = target_config(src_cfg, args, step, overrides)
-    mesh = train.setup_mesh(cfg, devices or jax.devices())
+        stored = load_config(dst_run) if dst_run.is_dir() else None
+        if stored is None or not checkpoint.saved_steps(dst_run):
+            raise UserError(f"--to {args.to} exists and is not empty: choose a new directory")
+        check_same_run(stored, cfg)  # the same command: resume; else say what differs
+        return True
     if not cfg.model.qk_norm:
         raise UserError("warmstart.py inserts QK-Norm: do not pass --model.no-qk-norm")
+    if cfg.steps <= step:
+        raise UserError(f"--steps {cfg.steps} does not go beyond the checkpoint's step {step}: "
+                        f"give --steps greater than {step}")
+    return False
+
+
+def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> TrainConfig:
+    """Write NEW_RUN with the converted checkpoint; print what happened. Returns its config.
+    If NEW_RUN already holds this warm start, writes nothing (train.train resumes it)."""
+    src_run, dst_run = pathlib.Path(args.source), pathlib.Path(args.to)
+    src_cfg, step = load_source(src_run, args.step)
+    cfg = target_config(src_cfg, args, step, overrides)
+    if check_target(args, cfg, step):
+        print(f"{dst_run} already holds this warm start (from {src_run} at step {step}): "
+              "resuming it")
+        return cfg
+    mesh = train.setup_mesh(cfg, devices or jax.devices())
     data = train.load_data(cfg)
     with jax.set_mesh(mesh):
         t0 = time.perf_counter()
@@ -177,6 +209,10 @@ def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> TrainCon
     print(f"held-out loss: {loss_before:.4f} before, {loss_after:.4f} with QK-Norm inserted "
           f"({loss_after - loss_before:+.4f})")
     print(f"wrote {dst_run} (restore, carry, save: {seconds:.2f}s)")
+    if step + cfg.optim.rewarmup_steps > cfg.steps:
+        print(f"warning: the re-warmup ({cfg.optim.rewarmup_steps} steps from step {step}) "
+              f"ends after the last step ({cfg.steps}): the LR never gets back to the schedule",
+              file=sys.stderr)
     return cfg
 
 
