@@ -41,7 +41,8 @@ class SpikeRule:
     lookback: int = 20  # an update-norm spike this many steps before a loss spike preceded it
 
     def __post_init__(self):
-        if self.window < 4 or self.sigma <= 0 or self.min_height < 0 or self.lookback < 0:
+        if not (self.window >= 4 and 0 < self.sigma < math.inf
+                and 0 <= self.min_height < math.inf and self.lookback >= 0):  # NaN fails
             raise UserError("the spike rule needs --window >= 4, --sigma > 0, "
                             "--min-height >= 0 and --lookback >= 0")
 
@@ -69,7 +70,8 @@ class ShiftRule:
     hold: int = 50  # for at least this many steps
 
     def __post_init__(self):
-        if min(self.smooth, self.window, self.hold) < 1 or not 0 <= self.margin <= self.rise:
+        if min(self.smooth, self.window, self.hold) < 1 or not 0 <= self.margin <= self.rise \
+                or not self.rise < math.inf:
             raise UserError("the level-shift rule needs --shift.smooth, --shift.window and "
                             "--shift.hold >= 1 and 0 <= --shift.margin <= --shift.rise")
 
@@ -139,6 +141,8 @@ def read_metrics(run: str | pathlib.Path) -> dict[str, np.ndarray]:
     if not by_step:
         raise UserError(f"{path} is empty: the run has not finished a step yet")
     records = [by_step[s] for s in sorted(by_step)]
+    if not all("loss" in r for r in records):
+        raise UserError(f"{path} has records without a loss: not a train.py metrics file")
     keys = [k for k in records[0] if all(k in r for r in records)]
     out = {k: np.array([r[k] for r in records], dtype=np.float64) for k in keys}
     if "eval_loss" not in out:

@@ -774,7 +774,7 @@ BAD_INPUTS = [
     ("train", ["--mesh.data", "8", "--data.batch-size", "12"], "batch_size=12 is not divisible"),
     ("train", ["--steps", "0"], "--steps must be positive"),
     ("train", ["--steps", "ten"], "--steps"),
-    ("train", ["--optim.lr", "-1"], "optim.lr must be positive"),
+    ("train", ["--optim.lr", "-1"], "optim.lr must be a positive finite number"),
     ("train", ["--optim.update-clip", "sometimes"], "--optim.update-clip"),
     ("train", ["--data.replace-batches", "9:3"], "replace_batches"),
     ("train", ["--run-dir", "{existing}", "--optim.lr", "0.5"],
@@ -792,11 +792,99 @@ BAD_INPUTS = [
     ("report", ["{garbage_metrics}"], "is not a metrics record"),
     ("report", ["{empty_metrics}"], "is empty"),
     ("report", ["{garbage_metrics}", "--rule.window", "2"], "--window >= 4"),
+    # Every numeric flag is range-checked; NaN and infinities included.
+    ("train", ["--optim.lr", "inf"], "optim.lr must be a positive finite number"),
+    ("train", ["--optim.lr", "nan"], "optim.lr must be a positive finite number"),
+    ("train", ["--optim.max-grad-norm", "nan"], "optim.max_grad_norm must be >= 0"),
+    ("train", ["--optim.max-grad-norm", "-1"], "optim.max_grad_norm must be >= 0"),
+    ("train", ["--optim.eps", "-1"], "optim.eps must be a positive finite number"),
+    ("train", ["--optim.eps", "0"], "optim.eps must be a positive finite number"),
+    ("train", ["--optim.b1", "1"], "optim.b1 must be in [0, 1)"),
+    ("train", ["--optim.b2", "nan"], "optim.b2 must be in [0, 1)"),
+    ("train", ["--optim.weight-decay", "-0.1"], "optim.weight_decay must be >= 0"),
+    ("train", ["--optim.weight-decay", "inf"], "optim.weight_decay must be >= 0"),
+    ("train", ["--optim.skip-sigma", "0"], "optim.skip_sigma must be a positive"),
+    ("train", ["--optim.skip-sigma", "nan"], "optim.skip_sigma must be a positive"),
+    ("train", ["--optim.update-clip-sigma", "-2"], "optim.update_clip_sigma must be a positive"),
+    ("train", ["--optim.update-rms-threshold", "0"], "optim.update_rms_threshold must be"),
+    ("train", ["--optim.skip-window", "1"], "optim.skip_window must be >= 2"),
+    ("train", ["--optim.skip-patience", "0"], "optim.skip_patience must be >= 1"),
+    ("train", ["--optim.warmup-steps", "-1"], "optim.warmup_steps must be >= 0"),
+    ("train", ["--optim.decay-fraction", "1.5"], "optim.decay_fraction must be in [0, 1]"),
+    ("train", ["--optim.min-lr-ratio", "nan"], "optim.min_lr_ratio must be in [0, 1]"),
+    ("train", ["--optim.rewarmup-from-ratio", "2"], "optim.rewarmup_from_ratio must be in"),
+    ("train", ["--optim.rewarmup-start", "-5"], "optim.rewarmup_start must be >= 0"),
+    ("train", ["--optim.optimizer", "sgd"], "--optim.optimizer"),
+    ("train", ["--model.rope-theta", "0"], "model.rope_theta must be a positive finite"),
+    ("train", ["--model.rope-theta", "inf"], "model.rope_theta must be a positive finite"),
+    ("train", ["--model.norm-eps", "-1"], "model.norm_eps must be a positive finite"),
+    ("train", ["--model.init-std", "nan"], "model.init_std must be a positive finite"),
+    ("train", ["--model.z-loss-weight", "-1"], "model.z_loss_weight must be >= 0"),
+    ("train", ["--model.d-model", "72", "--model.n-heads", "8"], "= 9 is odd: RoPE"),
+    ("train", ["--model.vocab-size", "0"], "model.vocab_size must be positive"),
+    ("train", ["--model.vocab-size", "100"], "outside the vocab"),
+    ("train", ["--model.dtype", "float64"], "model.dtype must be"),
+    ("train", ["--data.seq-len", "0"], "data.seq_len and data.batch_size must be positive"),
+    ("train", ["--data.batch-size", "-8"], "data.seq_len and data.batch_size must be positive"),
+    ("train", ["--data.held-out-fraction", "1"], "held_out_fraction must lie in (0, 1)"),
+    ("train", ["--data.held-out-fraction", "nan"], "held_out_fraction must lie in (0, 1)"),
+    ("train", ["--data.eval-sequences", "0"], "data.eval_sequences must be positive"),
+    ("train", ["--data.replace-batches", "5"], "must look like A:B"),
+    ("train", ["--keep-checkpoints", "0"], "--keep-checkpoints must be positive"),
+    ("train", ["--log-every", "-1"], "--log-every must be positive"),
+    ("train", ["--max-consecutive-nonfinite", "0"], "--max-consecutive-nonfinite must be"),
+    ("train", ["--mesh.model", "0"], "--mesh.data and --mesh.model must be positive"),
+    ("train", ["--dist.timeout", "0"], "--dist.timeout must be positive"),
+    ("train", ["--dist.num-processes", "2", "--dist.process-id", "1", "--dist.coordinator",
+               "nohost"], "--dist.coordinator must be HOST:PORT"),
+    # Run directories that cannot hold a run, and config.json files that are not configs.
+    ("train", ["--run-dir", "{empty}"], "exists and is not a directory"),
+    ("train", ["--run-dir", "{checkpoints_file}"], "checkpoints exists and is not a directory"),
+    ("train", ["--run-dir", "{config_list}"], "is not a spikefix config"),
+    ("train", ["--run-dir", "{config_null}"], "is not a spikefix config"),
+    ("train", ["--run-dir", "{config_steps_text}"], "steps is 'ten'"),
+    ("train", ["--run-dir", "{config_model_number}"], "model is 5"),
+    ("train", ["--run-dir", "{config_lr_text}"], "optim.lr is 'fast'"),
+    ("train", ["--run-dir", "{config_lr_nan}"], "optim.lr must be a positive finite number"),
+    ("train", ["--run-dir", "{config_unknown}"], "unknown setting 'nonsense'"),
+    ("train", ["--run-dir", "{existing}", "--resume-step", "-1"], "no checkpoint at step -1"),
+    # warmstart.py: a source with checkpoints at steps 3 and 6 ({trained}).
+    ("warmstart", ["--from", "{trained}", "--to", "{run}", "--rewarmup-steps", "-1",
+                   "--steps", "12"], "optim.rewarmup_steps must be >= 0"),
+    ("warmstart", ["--from", "{trained}", "--to", "{run}", "--rewarmup-from-ratio", "nan",
+                   "--steps", "12"], "optim.rewarmup_from_ratio must be in [0, 1]"),
+    ("warmstart", ["--from", "{trained}", "--to", "{run}", "--step", "5"],
+     "no checkpoint at step 5"),
+    ("warmstart", ["--from", "{trained}", "--to", "{trained}/rescued", "--steps", "12"],
+     "lies inside --from"),
+    ("warmstart", ["--from", "{trained}", "--to", "{trained}", "--steps", "12"],
+     "lies inside --from"),
+    ("warmstart", ["--from", "{trained}", "--to", "{run}"], "does not go beyond"),
+    ("warmstart", ["--from", "{trained}", "--to", "{run}", "--steps", "12",
+                   "--model.no-qk-norm"], "do not pass --model.no-qk-norm"),
+    ("warmstart", ["--from", "{trained}", "--to", "{empty}", "--steps", "12"],
+     "exists and is not empty"),
+    ("warmstart", ["--from", "{trained}", "--to", "{run}", "--steps", "12", "--optim.lr",
+                   "nan"], "optim.lr must be a positive finite number"),
+    ("warmstart", ["--from", "{trained}", "--to", "{run}", "--steps", "12", "--mesh.data", "3"],
+     "devices"),
+    ("warmstart", ["--from", "{trained}", "--to", "{run}", "--bogus-flag", "1"], "bogus"),
+    ("warmstart", ["--from", "{existing}", "--to", "{run}"], "has no checkpoint"),
+    # report.py
+    ("report", ["{garbage_metrics}", "--rule.sigma", "nan"], "the spike rule needs"),
+    ("report", ["{garbage_metrics}", "--rule.min-height", "-1"], "the spike rule needs"),
+    ("report", ["{garbage_metrics}", "--rule.lookback", "-1"], "the spike rule needs"),
+    ("report", ["{garbage_metrics}", "--shift.rise", "nan"], "the level-shift rule needs"),
+    ("report", ["{garbage_metrics}", "--shift.hold", "0"], "the level-shift rule needs"),
+    ("report", ["{garbage_metrics}", "--shift.margin", "1"], "the level-shift rule needs"),
+    ("report", ["{lossless_metrics}"], "records without a loss"),
+    ("report", ["{empty}"], "no metrics.jsonl"),
+    ("report", ["{lossless_metrics}", "--no-such-flag"], "--no-such-flag"),
 ]
 
 
 @pytest.fixture(scope="module")
-def bad_files(tmp_path_factory):
+def bad_files(tmp_path_factory, straight_run):
     d = tmp_path_factory.mktemp("bad")
     (d / "empty.txt").write_bytes(b"")
     np.save(d / "big.npy", np.arange(300, 5000, dtype=np.int32))
@@ -811,15 +899,21 @@ def bad_files(tmp_path_factory):
     existing.mkdir()
     (existing / "config.json").write_text(json.dumps(dataclasses.asdict(
         dataclasses.replace(TINY, run_dir=str(existing)))))
-    for name, text in (("garbage_config", "{not json"), ("garbage_metrics", 'xx\n{"step": 1}\n'),
-                       ("empty_metrics", "")):
+    texts = {"garbage_config": "{not json", "garbage_metrics": 'xx\n{"step": 1}\n',
+             "empty_metrics": "", "lossless_metrics": '{"step": 0}\n{"step": 1}\n',
+             "config_list": "[]", "config_null": "null", "config_steps_text": '{"steps": "ten"}',
+             "config_model_number": '{"model": 5}', "config_lr_text": '{"optim": {"lr": "fast"}}',
+             "config_lr_nan": '{"optim": {"lr": NaN}}', "config_unknown": '{"nonsense": 1}'}
+    for name, text in texts.items():
         (d / name).mkdir()
         (d / name / ("metrics.jsonl" if "metrics" in name else "config.json")).write_text(text)
+    (d / "checkpoints_file").mkdir()
+    (d / "checkpoints_file" / "checkpoints").write_text("not a directory")
     return {"empty": d / "empty.txt", "big_ids": d / "big.npy", "short": d / "short.txt",
             "pickled": d / "pickled.npy", "floats": d / "floats.npy",
             "truncated_llmc": d / "truncated.bin", "odd_bin": d / "odd.bin",
-            "existing": existing, **{n: d / n for n in ("garbage_config", "garbage_metrics",
-                                                        "empty_metrics")}}
+            "existing": existing, "trained": pathlib.Path(straight_run[0].run_dir),
+            **{n: d / n for n in [*texts, "checkpoints_file"]}}
 
 
 @pytest.mark.parametrize("command,argv,message", BAD_INPUTS,
@@ -834,12 +928,13 @@ def test_bad_input_exits_2_and_writes_nothing(command, argv, message, bad_files,
             preset += ["--mesh.data", "8"]
         run_dir = [] if "--run-dir" in argv else ["--run-dir", names["run"]]
         argv = preset + argv + run_dir
-    before = tree_hashes(bad_files["empty"].parent), tree_hashes(tmp_path)
+    trees = (bad_files["empty"].parent, bad_files["trained"], tmp_path)
+    before = [tree_hashes(t) for t in trees]
     code = {"train": T.main, "warmstart": W.main, "report": R.main}[command](argv)
     err = capsys.readouterr().err
     assert code == 2
     assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
-    assert (tree_hashes(bad_files["empty"].parent), tree_hashes(tmp_path)) == before
+    assert [tree_hashes(t) for t in trees] == before
     assert not (tmp_path / "run").exists()
 
 

@@ -55,9 +55,12 @@ def parse_args(argv: list[str]) -> tuple[WarmStartArgs, list[str]]:
 def target_config(source: TrainConfig, args: WarmStartArgs, step: int,
                   overrides: list[str]) -> TrainConfig:
     """Source config + QK-Norm + re-warmup at `step`, then the user's train.py flags."""
-    optim = dataclasses.replace(source.optim, rewarmup_start=step,
-                                rewarmup_steps=args.rewarmup_steps,
-                                rewarmup_from_ratio=args.rewarmup_from_ratio)
+    try:
+        optim = dataclasses.replace(source.optim, rewarmup_start=step,
+                                    rewarmup_steps=args.rewarmup_steps,
+                                    rewarmup_from_ratio=args.rewarmup_from_ratio)
+    except ValueError as e:  # the re-warmup flags, range-checked by OptimConfig
+        raise UserError(str(e)) from None
     default = dataclasses.replace(source, model=dataclasses.replace(source.model, qk_norm=True),
                                   optim=optim, run_dir=args.to, resume_step=None)
     return train.parse_flags(default, overrides)
