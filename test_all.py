@@ -528,14 +528,13 @@ def start_processes(flags: list[str], n: int = 2) -> list[subprocess.Popen]:
             for i in range(n)]
 
 
-@pytest.mark.slow
-def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
-    run = tmp_path / "run"
-    procs = start_processes(["tiny", "--mesh.data", "4", "--steps", "100000", "--log-every", "1",
-                             "--checkpoint-every", "100000", "--run-dir", str(run)])
+def preempt_one_of_two(flags: list[str], after_step: int) -> list[str]:
+    """Start a 2-process run, SIGTERM process 1 once process 0 has logged `after_step`; both
+    must exit as a preempted run does. Returns their outputs."""
+    procs = start_processes(flags)
     try:
         for line in procs[0].stdout:  # process 0 logs
-            if line.startswith("step") and " 3/" in line:
+            if line.startswith("step") and f" {after_step}/" in line:
                 procs[1].terminate()  # a preemption notice to process 1 only
                 break
         outs = [p.communicate(timeout=120)[0] for p in procs]
@@ -543,11 +542,27 @@ def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [128 + 15] * 2, outs[0][-2000:] + outs[1][-2000:]
+    return outs
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
+    run = tmp_path / "run"
+    flags = ["tiny", "--mesh.data", "4", "--steps", "100000", "--log-every", "1",
+             "--checkpoint-every", "2", "--keep-checkpoints", "100", "--run-dir", str(run)]
+    outs = preempt_one_of_two(flags, 5)
     saved = int(outs[0].split("saved step ")[1].split()[0])
-    assert saved >= 4 and C.saved_steps(run) == [saved]  # one checkpoint, written by both
+    assert saved >= 6 and C.saved_steps(run)[-1] == saved  # written by both processes
     cfg = dataclasses.replace(TINY, run_dir=str(run), mesh=CF.MeshConfig(4, 1), steps=100000,
-                              log_every=1, checkpoint_every=100000)
+                              log_every=1, checkpoint_every=2, keep_checkpoints=100)
     assert int(restore_final(cfg, saved)["step"]) == saved
+    # Back to step 2 on both processes: process 0 moves the later checkpoints aside, once.
+    preempt_one_of_two(flags + ["--resume-step", "2"], 4)
+    aside = [d for d in run.iterdir() if d.name.startswith("superseded-")]
+    assert len(aside) == 1 and sorted(int(d.name) for d in aside[0].iterdir()) == list(
+        range(4, saved + 1, 2)) + ([saved] if saved % 2 else [])
+    assert C.saved_steps(run)[0] == 2 and int(restore_final(cfg, C.saved_steps(run)[-1])["step"]) \
+        == C.saved_steps(run)[-1]
 
 # ---------------------------------------------------------------------------------------------
 # checkpoint.py: exact resume, across meshes, damaged checkpoints, older checkpoints
