@@ -37,7 +37,7 @@ def parse(cls, args: list[str], **kwargs):
 
 def one_line(tyro_message: str) -> str:
     """tyro's boxed error (a title line, the message, a help pointer) as one line."""
-    lines = [line.strip(" │╭╮╰╯─-") for line in tyro_message.splitlines()]
+    lines = [line.strip(" │╭╮╰╯─") for line in tyro_message.splitlines()]
     lines = [line for line in lines if line and not line.startswith("For full helptext")]
     text = " ".join(" ".join(lines[1:] or lines).split())
     return re.sub(r"Error parsing (--\S+|[\w.]+): ", lambda m: m[1] + ": " if m[1][0] == "-"

@@ -14,12 +14,15 @@ import pathlib
 import types
 import typing
 
+import numpy as np
+
 from checkpoint import read_config
 from cli import UserError
 from data import DataConfig
 from distributed import DistConfig, MeshConfig
 from model import ModelConfig
-from optim import OptimConfig
+from optim import OptimConfig, lr_schedule
+from tracking import WandbConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +32,7 @@ class TrainConfig:
     data: DataConfig = DataConfig()
     mesh: MeshConfig = MeshConfig()
     dist: DistConfig = DistConfig()
+    wandb: WandbConfig = WandbConfig()  # optional experiment tracking (tracking.py)
     run_dir: str = "runs/default"
     steps: int = 400  # ~6 minutes on 2 CPU cores
     seed: int = 0  # parameter init
@@ -40,6 +44,8 @@ class TrainConfig:
     per_layer_metrics: bool = True  # per-layer grad/update norms and q/k weight norms
     resume_step: int | None = None  # resume from this checkpoint instead of the latest
     dry_run: bool = False  # print sizes and per-device bytes, allocate nothing
+    init_from_hf: str = ""  # start from the weights of a Hugging Face Llama / Qwen3 folder
+    warm_started_from: str = ""  # "RUN@STEP": set by warmstart.py, the checkpoint it converted
 
     def __post_init__(self):
         for name in ("steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
@@ -56,7 +62,7 @@ RESUMABLE = {"run_dir", "log_every", "eval_every", "checkpoint_every", "keep_che
              "max_consecutive_nonfinite", "dry_run", "mesh.data", "mesh.model",
              "data.replace_batches", "data.eval_sequences", "per_layer_metrics", "resume_step",
              "dist.coordinator", "dist.num_processes", "dist.process_id", "dist.auto",
-             "dist.timeout"}
+             "dist.timeout", "wandb.project", "wandb.name", "wandb.mode", "wandb.timeout"}
 # Names a config.json written by an earlier version may use, and what they are called now.
 RENAMED = {"data.skip_steps": "data.replace_batches",
            "max_consecutive_skips": "max_consecutive_nonfinite"}
@@ -115,7 +121,7 @@ def flatten(d: dict, prefix: str = "") -> dict:
 def config_from_dict(d: dict) -> TrainConfig:
     """A TrainConfig from its asdict() form, as config.json stores it (older names renamed)."""
     subs = {"model": ModelConfig, "optim": OptimConfig, "data": DataConfig, "mesh": MeshConfig,
-            "dist": DistConfig}
+            "dist": DistConfig, "wandb": WandbConfig}
     nested: dict = {}
     for key, value in flatten(d).items():
         *parents, leaf = RENAMED.get(key, key).split(".")
@@ -162,14 +168,26 @@ def load_config(run_dir: pathlib.Path) -> TrainConfig | None:
         raise UserError(f"{run_dir}/config.json is not a spikefix config ({e})") from None
 
 
-def check_same_run(stored: TrainConfig, cfg: TrainConfig) -> None:
-    """A run directory holds one run: its config must agree with the flags, but for RESUMABLE."""
+def check_same_run(stored: TrainConfig, cfg: TrainConfig, taken: int = 0) -> None:
+    """A run directory holds one run: its config must agree with the flags, but for RESUMABLE.
+    `--steps` may change too where that changes no step already taken (`taken` of them): the
+    LR schedule must give the same value at every one of them (a constant schedule, or a
+    warmup-stable-decay one whose decay has not begun)."""
     old, new = flatten(dataclasses.asdict(stored)), flatten(dataclasses.asdict(cfg))
     diffs = [f"{k} (run has {old.get(k)!r}, flags give {new.get(k)!r})"
              for k in sorted(set(old) | set(new))
              if k not in RESUMABLE and old.get(k) != new.get(k)]
+    if diffs == [f"steps (run has {stored.steps}, flags give {cfg.steps})"]:
+        if cfg.steps <= taken:
+            raise UserError(f"{cfg.run_dir} has taken {taken} steps already: give --steps "
+                            f"greater than {taken}")
+        t = np.arange(taken)
+        if np.array_equal(lr_schedule(stored.optim, stored.steps)(t),
+                          lr_schedule(cfg.optim, cfg.steps)(t)):
+            return
+        diffs[0] += (f": the LR schedule of {cfg.steps} steps differs from the run's at steps "
+                     f"already taken (only a constant schedule, or one whose decay has not "
+                     f"begun by step {taken}, can be extended)")
     if diffs:
         raise UserError(f"{cfg.run_dir} holds a run with a different config: {'; '.join(diffs)}"
                         ". Pass the same flags to resume, or use a new --run-dir")
-
-

@@ -25,9 +25,11 @@ import pytest  # noqa: E402
 import checkpoint as C  # noqa: E402
 import config as CF  # noqa: E402
 import data as D  # noqa: E402
+import export as E  # noqa: E402
 import model as M  # noqa: E402
 import optim as O  # noqa: E402
 import report as R  # noqa: E402
+import tracking as TR  # noqa: E402
 import train as T  # noqa: E402
 import warmstart as W  # noqa: E402
 
@@ -895,6 +897,27 @@ BAD_INPUTS = [
     ("report", ["{lossless_metrics}"], "records without a loss"),
     ("report", ["{empty}"], "no metrics.jsonl"),
     ("report", ["{lossless_metrics}", "--no-such-flag"], "--no-such-flag"),
+    # --resume, Hugging Face folders in and out, W&B
+    ("train", ["--resume", "{run}"], "no config.json there"),
+    ("train", ["--resume"], "--resume needs a run directory"),
+    ("train", ["--resume", "{existing}", "--mesh.data", "8", "--optim.lr", "0.5"],
+     "optim.lr (run has 0.01, flags give 0.5)"),
+    ("train", ["--resume", "{trained}", "--mesh.data", "8", "--steps", "9"],
+     "differs from the run's at steps already taken"),
+    ("train", ["--resume", "{trained}", "--mesh.data", "8", "--steps", "5"],
+     "has taken 6 steps already"),
+    ("train", ["--init-from-hf", "{hf_llama}", "--model.d-ff", "256"],
+     "intermediate_size 128 (flags give 256)"),
+    ("train", ["--init-from-hf", "{hf_llama}", "--model.qk-norm"], "architectures"),
+    ("train", ["--init-from-hf", "{empty}"], "not a Hugging Face model folder"),
+    ("train", ["--wandb.timeout", "0"], "wandb.timeout must be positive"),
+    ("train", ["--wandb.mode", "sometimes"], "--wandb.mode"),
+    ("export", ["{trained}", "--to", "{run}", "--step", "5"], "no checkpoint at step 5"),
+    ("export", ["{existing}", "--to", "{run}"], "has no checkpoint"),
+    ("export", ["{trained}", "--to", "{empty}"], "exists and is not empty"),
+    ("export", ["{trained}", "--to", "{hf_llama}"], "exists and is not empty"),
+    ("export", ["{run}", "--to", "{run}2"], "no config.json there"),
+    ("export", ["{trained}"], "Missing from export.py: --to STR"),
 ]
 
 
@@ -922,12 +945,14 @@ def bad_files(tmp_path_factory, straight_run):
     for name, text in texts.items():
         (d / name).mkdir()
         (d / name / ("metrics.jsonl" if "metrics" in name else "config.json")).write_text(text)
+    E.export(E.ExportArgs(run=straight_run[0].run_dir, to=str(d / "hf_llama")))
     (d / "checkpoints_file").mkdir()
     (d / "checkpoints_file" / "checkpoints").write_text("not a directory")
     return {"empty": d / "empty.txt", "big_ids": d / "big.npy", "short": d / "short.txt",
             "pickled": d / "pickled.npy", "floats": d / "floats.npy",
             "truncated_llmc": d / "truncated.bin", "odd_bin": d / "odd.bin",
             "existing": existing, "trained": pathlib.Path(straight_run[0].run_dir),
+            "hf_llama": d / "hf_llama",
             **{n: d / n for n in [*texts, "checkpoints_file"]}}
 
 
@@ -938,14 +963,15 @@ def test_bad_input_exits_2_and_writes_nothing(command, argv, message, bad_files,
     names = {k: str(v) for k, v in bad_files.items()} | {"run": str(tmp_path / "run")}
     argv = [a.format(**names) for a in argv]
     if command == "train":
-        preset = [] if argv[0] == "nosuchpreset" else ["tiny"]
+        preset = [] if argv[0] in ("nosuchpreset", "--resume") else ["tiny"]
         if "--mesh.data" not in argv and preset:  # the test process has 8 devices
             preset += ["--mesh.data", "8"]
-        run_dir = [] if "--run-dir" in argv else ["--run-dir", names["run"]]
+        run_dir = [] if "--run-dir" in argv or "--resume" in argv else ["--run-dir", names["run"]]
         argv = preset + argv + run_dir
     trees = (bad_files["empty"].parent, bad_files["trained"], tmp_path)
     before = [tree_hashes(t) for t in trees]
-    code = {"train": T.main, "warmstart": W.main, "report": R.main}[command](argv)
+    code = {"train": T.main, "warmstart": W.main, "report": R.main, "export": E.main}[command](
+        argv)
     err = capsys.readouterr().err
     assert code == 2
     assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
@@ -1084,6 +1110,31 @@ def test_an_unreachable_coordinator_fails_in_one_line_within_the_timeout(tmp_pat
         in out.stderr and not (tmp_path / "r").exists()
 
 
+def test_an_unreachable_wandb_neither_stops_nor_stalls_training(tmp_path):
+    env = {**os.environ, "WANDB_BASE_URL": f"http://127.0.0.1:{free_port()}",
+           "WANDB_API_KEY": "x" * 40}
+    out = subprocess.run([sys.executable, "train.py", "tiny", "--steps", "3", "--run-dir",
+                          str(tmp_path / "run"), "--wandb.project", "p", "--wandb.timeout", "3"],
+                         cwd=HERE, env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and "done: step 3" in out.stdout, out.stderr[-2000:]
+    assert out.stderr.count("\n") == 1 and "warning: W&B is not reachable" in out.stderr
+    history = [r for r in wandb_records(tmp_path / "run")
+               if r.WhichOneof("record_type") == "history"]
+    assert len(history) >= 3  # logged offline instead
+
+
+def test_resume_by_run_directory_and_raise_the_steps_of_a_constant_schedule(tmp_path):
+    cfg = tiny(tmp_path, steps=6, checkpoint_every=3, optim__min_lr_ratio=1.0)
+    T.train(cfg, devices=jax.devices()[:1])
+    longer = T.parse_config(["--resume", cfg.run_dir, "--steps", "9"])
+    assert longer == dataclasses.replace(cfg, steps=9)  # no preset, no flags retyped
+    assert T.parse_config([cfg.run_dir, "--steps", "9"]) == longer
+    T.train(longer, devices=jax.devices()[:1])
+    straight = dataclasses.replace(longer, run_dir=str(tmp_path / "straight"))
+    T.train(straight, devices=jax.devices()[:1])
+    assert_trees_equal(restore_final(longer, 9), restore_final(straight, 9))
+
+
 def test_a_run_stops_after_too_many_nonfinite_steps_in_a_row(tmp_path, capsys):
     # An absurd LR: the first step is applied, its parameters overflow the next forward pass,
     # and every step after that is non-finite (and skipped).
@@ -1192,10 +1243,49 @@ def test_warmstart_carries_every_leaf_and_adds_only_the_norm_scales(warm_started
         np.testing.assert_array_equal(new[key], expected, err_msg=key)
 
 
+def wandb_records(run_dir: pathlib.Path) -> list:
+    """The records of a run's offline W&B files (LevelDB-log framing of protobuf records)."""
+    import struct
+    from wandb.proto import wandb_internal_pb2
+    records = []
+    for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        data, pos, chunk = path.read_bytes(), 7, b""  # after the 7-byte ":W&B" header
+        while pos + 7 <= len(data):
+            if 32768 - pos % 32768 < 7:  # a block's tail too short for a header: padding
+                pos += 32768 - pos % 32768
+                continue
+            _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            if kind == 0:
+                break
+            chunk, pos = chunk + data[pos + 7:pos + 7 + n], pos + 7 + n
+            if kind in (1, 4):  # a full record, or the last piece of one
+                records.append(wandb_internal_pb2.Record.FromString(chunk))
+                chunk = b""
+    return records
+
+
 def test_a_warm_started_run_rewarms_and_learns(warm_started):
     src_cfg, cfg, _ = warm_started
-    last = T.train(cfg, devices=jax.devices())  # on the 4x2 mesh it was converted onto
+    tracked = dataclasses.replace(cfg, wandb=TR.WandbConfig(project="spikefix-tests",
+                                                            mode="offline"))
+    last = T.train(tracked, devices=jax.devices())  # on the 4x2 mesh it was converted onto
     lines = [json.loads(x) for x in (pathlib.Path(cfg.run_dir) / "metrics.jsonl").open()]
+    # W&B (offline) got what metrics.jsonl got, the config and the tag of a warm start
+    records = wandb_records(pathlib.Path(cfg.run_dir))
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    assert "warm-start" in run.tags
+    config = {u.key: json.loads(u.value_json) for u in run.config.update}
+    assert config["warm_started_from"] == f"{src_cfg.run_dir}@3" == cfg.warm_started_from
+    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+               for r in records if r.WhichOneof("record_type") == "history"]
+    steps = [h for h in history if "loss" in h]
+    assert [h["_step"] for h in steps] == [m["step"] for m in lines] == list(range(3, 12))
+    assert [h["loss"] for h in steps] == [m["loss"] for m in lines]
+    assert [h["attn_logit_max/layer_1"] for h in steps] == [m["attn_logit_max"][1] for m in lines]
+    assert any(k.startswith("figures/") for h in history for k in h)
+    summary = [u for r in records if r.WhichOneof("record_type") == "summary"
+               for u in r.summary.update]
+    assert any(u.key == "spike_report" and "loss spike" in u.value_json for u in summary)
     assert [m["step"] for m in lines] == list(range(3, 12))
     base = O.lr_schedule(src_cfg.optim, 12)  # the source's schedule stretched to 12 steps
     peak = cfg.optim.lr
@@ -1393,6 +1483,84 @@ def test_the_lr_applied_follows_the_global_step_through_skips_and_a_warm_start(
 
 
 # ---------------------------------------------------------------------------------------------
+# export.py: Hugging Face folders out and in
+
+def hf_numpy_logits(folder: pathlib.Path, tokens_T: np.ndarray) -> np.ndarray:
+    """Logits [T, V] of a Hugging Face Llama / Qwen3 folder, computed in float64 NumPy from its
+    config.json and safetensors alone, the way transformers' modelling code computes them
+    (rotate-half RoPE, repeat_kv, RMSNorm, untied lm_head), independent of model.py."""
+    from safetensors.numpy import load_file
+    hf = json.loads((folder / "config.json").read_text())
+    w = {k: v.astype(np.float64) for k, v in load_file(folder / "model.safetensors").items()}
+    N, K, H, eps = (hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"],
+                    hf["rms_norm_eps"])
+    T = len(tokens_T)
+
+    def norm(x, scale):
+        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * scale
+
+    def rope(x):  # [T, heads, H]
+        angle = np.arange(T)[:, None] * hf["rope_theta"] ** (-np.arange(0, H, 2) / H)[None]
+        cos, sin = (np.concatenate([f(angle)] * 2, -1)[:, None] for f in (np.cos, np.sin))
+        return x * cos + np.concatenate([-x[..., H // 2:], x[..., :H // 2]], -1) * sin
+
+    x = w["model.embed_tokens.weight"][tokens_T]
+    for layer in range(hf["num_hidden_layers"]):
+        a = f"model.layers.{layer}."
+        h = norm(x, w[a + "input_layernorm.weight"])
+        q, k, v = ((h @ w[a + f"self_attn.{n}_proj.weight"].T).reshape(T, -1, H) for n in "qkv")
+        if hf["architectures"] == ["Qwen3ForCausalLM"]:
+            q = norm(q, w[a + "self_attn.q_norm.weight"])
+            k = norm(k, w[a + "self_attn.k_norm.weight"])
+        q, k = rope(q), np.repeat(rope(k), N // K, axis=1)
+        scores = np.einsum("tnh,snh->nts", q, k) / np.sqrt(H)
+        scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        out = np.einsum("nts,snh->tnh", probs, np.repeat(v, N // K, axis=1)).reshape(T, N * H)
+        x = x + out @ w[a + "self_attn.o_proj.weight"].T
+        h = norm(x, w[a + "post_attention_layernorm.weight"])
+        gate, up = (h @ w[a + f"mlp.{n}_proj.weight"].T for n in ("gate", "up"))
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ w[a + "mlp.down_proj.weight"].T
+    return norm(x, w["model.norm.weight"]) @ w["lm_head.weight"].T
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_an_exported_folder_computes_the_logits_of_model_forward(arch, straight_run, warm_started,
+                                                                  tmp_path, capsys):
+    cfg = straight_run[0] if arch == "LlamaForCausalLM" else warm_started[1]
+    step = C.saved_steps(pathlib.Path(cfg.run_dir))[-1]
+    assert E.main([cfg.run_dir, "--step", str(step), "--to", str(tmp_path / "hf")]) == 0
+    assert f"{arch}, " in capsys.readouterr().out
+    from safetensors.numpy import load_file
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    per_layer = 11 if cfg.model.qk_norm else 9
+    assert len(tensors) == 3 + per_layer * cfg.model.n_layers
+    assert tensors["model.layers.1.self_attn.k_proj.weight"].shape == (
+        cfg.model.n_kv_heads * cfg.model.head_dim, cfg.model.d_model)
+    params = jax.tree.map(np.asarray, restore_final(cfg, step)["params"])
+    assert_trees_equal(E.from_hf(tensors, cfg.model), params)  # and back, exactly
+    tokens = D.TokenData(cfg.data).held_out_batches()[0, 0, :-1]
+    with jax.set_mesh(mesh_of(1, 1)):
+        ours = np.asarray(M.forward(params, tokens[None], cfg.model)[0][0])
+    theirs = hf_numpy_logits(tmp_path / "hf", tokens)
+    np.testing.assert_allclose(theirs, ours, atol=1e-4 * np.abs(ours).max())
+
+
+def test_a_run_initialised_from_a_hf_folder_starts_from_its_weights(straight_run, tmp_path):
+    src, hf = straight_run[0], tmp_path / "hf"
+    E.export(E.ExportArgs(run=src.run_dir, to=str(hf)))  # step 6
+    cfg = tiny(tmp_path, steps=1, init_from_hf=str(hf))
+    T.train(cfg, devices=jax.devices()[:1])
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    with jax.set_mesh(mesh_of(1, 1)):  # the loss of batch 0 under the exported weights
+        loss, _ = M.loss_fn(restore_final(src, 6)["params"], D.TokenData(cfg.data).batch(0),
+                            cfg.model)
+    assert first["loss"] == pytest.approx(float(loss), rel=1e-6)
+    assert C.read_config(tmp_path / "run")["init_from_hf"] == str(hf)
+
+
+# ---------------------------------------------------------------------------------------------
 # report.py
 
 def planted_metrics(path: pathlib.Path) -> pathlib.Path:
@@ -1512,8 +1680,8 @@ def test_lr_sensitivity_recovery_and_the_spread_rule():
 # ---------------------------------------------------------------------------------------------
 # The whole project: imports flow one way
 
-PROJECT = ["cli", "model", "optim", "data", "distributed", "checkpoint", "report", "train",
-           "warmstart", "experiments", "bench"]
+PROJECT = ["cli", "model", "optim", "data", "tracking", "distributed", "checkpoint", "config",
+           "export", "report", "train", "warmstart", "experiments", "bench"]
 
 
 def project_imports(name: str) -> tuple[set, set]:
@@ -1531,7 +1699,7 @@ def project_imports(name: str) -> tuple[set, set]:
 
 def test_imports_flow_one_way():
     imports = {name: project_imports(name) for name in PROJECT}
-    for leaf in ("cli", "model", "optim", "data"):
+    for leaf in ("cli", "model", "optim", "data", "tracking"):
         assert imports[leaf][0] <= {"cli"} - {leaf}, leaf  # leaves know nothing of the rest
     assert all(not inner for _, inner in imports.values()), imports  # no import in a function
 

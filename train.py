@@ -35,11 +35,25 @@ from data import TokenData
 from distributed import check_fits, make_mesh, process_rows, say, start_distributed
 from model import count_params, decay_mask, flops_per_token, loss_fn
 from optim import lr_schedule, make_optimizer, opt_metrics
-from report import event_report, read_metrics
+from export import load_hf
+from report import event_report, plot, read_metrics
+from tracking import Tracker
 
 
 def parse_config(argv: list[str]) -> TrainConfig:
-    """`[preset] [--flags]`: the preset (default "cpu") supplies the defaults the flags override."""
+    """`[preset] [--flags]`: the preset (default "cpu") supplies the defaults the flags override.
+    `--resume RUN [--flags]` (or `RUN [--flags]`): the config stored in the run directory RUN
+    does, so a run continues without its preset and flags retyped."""
+    if "--resume" in argv or (argv and argv[0] not in PRESETS and pathlib.Path(argv[0]).is_dir()):
+        i = argv.index("--resume") + 1 if "--resume" in argv else 0
+        if i >= len(argv):
+            raise UserError("--resume needs a run directory: --resume RUN")
+        run, rest = pathlib.Path(argv[i]), argv[:max(i - 1, 0)] + argv[i + 1:]
+        stored = load_config(run)
+        if stored is None:
+            raise UserError(f"--resume {run}: no config.json there; give a train.py run directory")
+        return parse_flags(dataclasses.replace(stored, run_dir=str(run), resume_step=None,
+                                               dry_run=False), rest)
     name = argv[0] if argv and not argv[0].startswith("-") else "cpu"
     if name not in PRESETS:
         raise UserError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
@@ -171,6 +185,10 @@ class Log:
 
     def __init__(self, cfg: TrainConfig, run_dir: pathlib.Path, start: int):
         self.cfg, self.start, self.nonfinite = cfg, start, 0
+        tags = ["warm-start"] * bool(cfg.warm_started_from) + ["init-from-hf"] * bool(
+            cfg.init_from_hf)
+        self.tracker = Tracker(cfg.wandb, run_dir, dataclasses.asdict(cfg), tags,
+                               jax.process_index() == 0)
         self.file = None
         if jax.process_index() == 0:
             drop_torn_line(run_dir / "metrics.jsonl")
@@ -190,6 +208,7 @@ class Log:
         if self.file:
             self.file.write(strict_json(m) + "\n")
             self.file.flush()
+        self.tracker.log(m, step)
         if step % self.cfg.log_every == 0 or "eval_loss" in m:
             eta = (now - self.t_start) / (step + 1 - self.start) * (self.cfg.steps - step - 1)
             rate = self.tokens_per_step * (step - self.shown[0]) / (now - self.shown[1])
@@ -251,10 +270,13 @@ def train(cfg: TrainConfig, devices=None) -> dict:
         return {}
     mesh = setup_mesh(cfg, devices or jax.devices())
     run_dir = pathlib.Path(cfg.run_dir)
-    stored = load_config(run_dir)
-    if stored is not None:
-        check_same_run(stored, cfg)
     check_run_dir(run_dir, cfg.resume_step)
+    stored, steps = load_config(run_dir), saved_steps(run_dir)
+    if stored is not None:
+        taken = cfg.resume_step if cfg.resume_step is not None else (steps or [0])[-1]
+        check_same_run(stored, cfg, taken)
+    hf_params = load_hf(pathlib.Path(cfg.init_from_hf), cfg.model) if cfg.init_from_hf and \
+        not steps else None
     data = load_data(cfg)
     tx = make_tx(cfg)
     target = abstract_state(cfg.model, tx, mesh)
@@ -263,6 +285,9 @@ def train(cfg: TrainConfig, devices=None) -> dict:
         mngr, state = resume(run_dir, target, cfg.keep_checkpoints, cfg.resume_step, say)
         if state is None:
             state = fresh_state(cfg.model, cfg.seed, tx, target)
+            if hf_params is not None:  # (Adam's moments start at zero either way)
+                state["params"] = jax.tree.map(lambda x, t: jax.make_array_from_callback(
+                    x.shape, t.sharding, lambda i: x[i]), hf_params, target["params"])
             n = count_params(cfg.model)
             say(f"new run {run_dir}: {n / 1e6:.2f}M params, {cfg.steps} steps, "
                 f"mesh {cfg.mesh.data}x{cfg.mesh.model} on {jax.process_count()} process(es), "
@@ -311,6 +336,7 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir) -> dict:
                 print(f"stopping: {log.nonfinite} non-finite steps in a row (last at step "
                       f"{prev[0]}); parameters were left unchanged by them. Last checkpoint: "
                       f"step {mngr.latest_step()} in {run_dir}", file=sys.stderr)
+                log.tracker.finish()
                 sys.exit(1)
         prev = (step, metrics)
         stopping = stop.requested(step)
@@ -325,11 +351,16 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir) -> dict:
     checkpoint()
     if stop.signal:
         say(f"saved step {prev[0] + 1} to {run_dir}; resume with the same command")
+        log.tracker.finish()
         sys.exit(128 + stop.signal)
     if log.file:
         log.file.close()
         try:  # the run is saved; a report that cannot be made is a note, not a failure
-            print(event_report(read_metrics(run_dir), str(run_dir)))
+            metrics = read_metrics(run_dir)
+            print(text := event_report(metrics, str(run_dir)))
+            figures = plot({run_dir.name: metrics}, run_dir / "figures") if log.tracker.run \
+                else []
+            log.tracker.finish(text, figures)
         except UserError as e:
             print(f"note: no spike report: {e}", file=sys.stderr)
     return last

@@ -62,7 +62,8 @@ def target_config(source: TrainConfig, args: WarmStartArgs, step: int,
     except ValueError as e:  # the re-warmup flags, range-checked by OptimConfig
         raise UserError(str(e)) from None
     default = dataclasses.replace(source, model=dataclasses.replace(source.model, qk_norm=True),
-                                  optim=optim, run_dir=args.to, resume_step=None)
+                                  optim=optim, run_dir=args.to, resume_step=None,
+                                  warm_started_from=f"{args.source}@{step}")
     return train.parse_flags(default, overrides)
 
 

@@ -1,0 +1,223 @@
+"""A run's checkpoint as a Hugging Face model folder, and back.
+
+    python export.py runs/default --to hf/default            # the latest checkpoint
+    python export.py runs/rescued --step 600 --to hf/rescued --check   # + compare in transformers
+    python train.py --init-from-hf hf/default --run-dir runs/more ...   # a run from such a folder
+
+Writes `config.json` and `model.safetensors` that transformers loads as `LlamaForCausalLM`
+(without QK-Norm) or `Qwen3ForCausalLM` (with it: Qwen3's q_norm / k_norm, an RMSNorm over
+head_dim of each head before RoPE, is the same operation) with the same logits. The layouts agree
+without any permutation: RoPE is rotate-half in both, query head n reads KV head n // (n_heads /
+n_kv_heads) in both (HF's `repeat_kv`), RMSNorm is x * rsqrt(mean(x^2) + eps) * weight in float32,
+and the head is untied. Only the weight matrices are transposed to torch's [out, in] layout.
+"""
+
+import dataclasses
+import json
+import pathlib
+import shutil
+import sys
+
+import jax
+import numpy as np
+import tyro
+
+from checkpoint import abstract_state, checkpoint_manager, restore_checkpoint, saved_steps
+from cli import UserError, command, parse
+from config import load_config
+from data import TokenData
+from distributed import MeshConfig, make_mesh
+from model import ModelConfig, decay_mask, forward, param_table
+from optim import make_optimizer
+
+
+def hf_config(cfg: ModelConfig, seq_len: int) -> dict:
+    """The transformers config.json of a spikefix model."""
+    arch = "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
+    return {
+        "architectures": [arch], "model_type": "qwen3" if cfg.qk_norm else "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "max_position_embeddings": seq_len,
+        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+        "use_sliding_window": False, "torch_dtype": "float32",
+        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+    }
+
+
+# spikefix name -> (HF name with {layer} for the layer, how the array turns into HF's layout)
+def _layout(cfg: ModelConfig) -> dict:
+    D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    attn, mlp = "model.layers.{layer}.self_attn.", "model.layers.{layer}.mlp."
+    names = {
+        "embed": ("model.embed_tokens.weight", None),
+        "final_norm": ("model.norm.weight", None),
+        "head": ("lm_head.weight", (1, 0)),
+        "layers/attn_norm": ("model.layers.{layer}.input_layernorm.weight", None),
+        "layers/mlp_norm": ("model.layers.{layer}.post_attention_layernorm.weight", None),
+        "layers/wq": (attn + "q_proj.weight", (D, N * H)),
+        "layers/wk": (attn + "k_proj.weight", (D, K * H)),
+        "layers/wv": (attn + "v_proj.weight", (D, K * H)),
+        "layers/wo": (attn + "o_proj.weight", (N * H, D)),
+        "layers/w_gate": (mlp + "gate_proj.weight", (1, 0)),
+        "layers/w_up": (mlp + "up_proj.weight", (1, 0)),
+        "layers/w_down": (mlp + "down_proj.weight", (1, 0)),
+        "layers/q_norm": (attn + "q_norm.weight", None),
+        "layers/k_norm": (attn + "k_norm.weight", None),
+    }
+    return {k: v for k, v in names.items() if k in param_table(cfg)}
+
+
+def to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """spikefix params (a nested dict of arrays) -> {HF tensor name: float32 array}."""
+    out = {}
+    for key, (name, how) in _layout(cfg).items():
+        x = np.asarray(params["layers"][key[7:]] if key.startswith("layers/") else params[key],
+                       np.float32)
+        for layer, w in enumerate(x) if key.startswith("layers/") else [(None, x)]:
+            if how == (1, 0):
+                w = w.T
+            elif how is not None:  # a [D, N, H]-like weight: flatten to 2-D, then [out, in]
+                w = w.reshape(how).T
+            out[name.format(layer=layer)] = np.ascontiguousarray(w)
+    return out
+
+
+def from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
+    """The inverse of to_hf; a missing tensor or a shape that does not fit cfg is a UserError."""
+    table, params = param_table(cfg), {"layers": {}}
+    for key, (name, how) in _layout(cfg).items():
+        shape = table[key].shape
+
+        def get(n, want):
+            if n not in tensors:
+                raise UserError(f"the Hugging Face folder has no tensor {n}")
+            if tuple(tensors[n].shape) != want:
+                raise UserError(f"{n} is {list(tensors[n].shape)} in the Hugging Face folder "
+                                f"but {list(want)} for these flags: give the folder's sizes")
+            return np.asarray(tensors[n], np.float32)
+        one = shape[1:] if key.startswith("layers/") else shape
+        hf_shape = one[::-1] if how == (1, 0) else (how[1], how[0]) if how else one
+        ws = [get(name.format(layer=i), hf_shape) for i in range(shape[0])] \
+            if key.startswith("layers/") else [get(name, hf_shape)]
+        ws = [w.T if how == (1, 0) else w.T.reshape(one) if how else w for w in ws]
+        if key.startswith("layers/"):
+            params["layers"][key[7:]] = np.stack(ws)
+        else:
+            params[key] = ws[0]
+    return params
+
+
+def load_hf(folder: pathlib.Path, cfg: ModelConfig) -> dict:
+    """Parameters for `cfg` from a Hugging Face Llama / Qwen3 folder (config.json +
+    model.safetensors), after checking that the folder's config describes the same model."""
+    from safetensors.numpy import load_file
+    try:
+        hf = json.loads((folder / "config.json").read_text())
+        tensors = load_file(folder / "model.safetensors")
+    except (OSError, ValueError, json.JSONDecodeError) as e:
+        raise UserError(f"--init-from-hf {folder}: not a Hugging Face model folder with "
+                        f"config.json and model.safetensors ({e})") from None
+    if hf.get("tie_word_embeddings") and "model.embed_tokens.weight" in tensors:  # tied head
+        tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])
+    if "head_dim" not in hf and isinstance(hf.get("num_attention_heads"), int):  # older configs
+        hf["head_dim"] = hf.get("hidden_size", 0) // hf["num_attention_heads"]
+    want = hf_config(cfg, 0)
+    keys = ["architectures", "vocab_size", "hidden_size", "intermediate_size",
+            "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"]
+    diffs = [f"{k} {hf.get(k)!r} (flags give {want[k]!r})" for k in keys if hf.get(k) != want[k]]
+    diffs += [f"{k} {hf.get(k)!r} (flags give {want[k]!r})" for k in ("rms_norm_eps", "rope_theta")
+              if not isinstance(hf.get(k), (int, float)) or not np.isclose(hf[k], want[k])]
+    if diffs:
+        raise UserError(f"--init-from-hf {folder} has {'; '.join(diffs)}: set the --model.* "
+                        "flags to the folder's model")
+    return from_hf(tensors, cfg)
+
+
+def restore_params(run: pathlib.Path, step: int, cfg) -> dict:
+    """The parameters of a run's checkpoint, on one device, as NumPy arrays."""
+    tx = make_optimizer(cfg.optim, cfg.steps, decay_mask(cfg.model))
+    mesh = make_mesh(MeshConfig(1, 1), jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        try:
+            state = restore_checkpoint(checkpoint_manager(run, read_only=True), step,
+                                       abstract_state(cfg.model, tx, mesh))
+        except Exception as e:
+            raise UserError(f"checkpoint at step {step} in {run} is unreadable "
+                            f"({type(e).__name__})") from None
+    return jax.tree.map(np.asarray, state["params"])
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportArgs:
+    run: tyro.conf.Positional[str]  # a train.py run directory
+    to: str  # the Hugging Face folder to write (must not exist, or be empty)
+    step: int | None = None  # the checkpoint to export; default the latest
+    check: bool = False  # load the folder with transformers (and torch), compare the logits
+
+
+def check_with_transformers(folder: pathlib.Path, cfg, params: dict) -> float:
+    """Max |logit difference| between transformers' model of `folder` and model.forward, on
+    the first held-out window. Needs torch and transformers (not in requirements.txt)."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        raise UserError("--check needs torch and transformers: pip install torch "
+                        "transformers") from None
+    tokens = TokenData(cfg.data, cfg.model.vocab_size).held_out_batches()[0, :1, :-1]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    with jax.set_mesh(make_mesh(MeshConfig(1, 1), jax.devices()[:1])):
+        ours = np.asarray(forward(params, tokens, cfg.model)[0])
+    diff = float(np.abs(theirs - ours).max())
+    print(f"transformers {transformers.__version__} ({type(hf).__name__}): max |logit "
+          f"difference| {diff:.2e} over {tokens.size} tokens (logits up to "
+          f"{np.abs(ours).max():.1f})")
+    return diff
+
+
+def export(args: ExportArgs) -> pathlib.Path:
+    run, out = pathlib.Path(args.run), pathlib.Path(args.to)
+    cfg = load_config(run)
+    if cfg is None:
+        raise UserError(f"{run}: no config.json there; give a train.py run directory")
+    steps = saved_steps(run)
+    if not steps:
+        raise UserError(f"{run} has no checkpoint: train it first")
+    if args.step is not None and args.step not in steps:
+        raise UserError(f"{run} has no checkpoint at step {args.step}; it has {steps}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--to {out} exists and is not empty: choose a new folder")
+    from safetensors.numpy import save_file
+    step = args.step if args.step is not None else steps[-1]
+    params = restore_params(run, step, cfg)
+    tensors = to_hf(params, cfg.model)
+    partial = out.with_name(out.name + ".partial")  # renamed into place once complete
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    (partial / "config.json").write_text(json.dumps(hf_config(cfg.model, cfg.data.seq_len),
+                                                    indent=2))
+    save_file(tensors, partial / "model.safetensors",
+              metadata={"format": "pt", "spikefix_run": str(run), "spikefix_step": str(step)})
+    if out.exists():
+        out.rmdir()
+    partial.rename(out)
+    arch = hf_config(cfg.model, 0)["architectures"][0]
+    print(f"wrote {out}: {arch}, {len(tensors)} tensors, step {step} of {run}")
+    if args.check:
+        check_with_transformers(out, cfg, params)
+    return out
+
+
+@command
+def main(argv: list[str]) -> int:
+    export(parse(ExportArgs, argv, description=__doc__, prog="export.py"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
