@@ -1273,7 +1273,7 @@ def test_a_warm_started_run_rewarms_and_learns(warm_started):
     # W&B (offline) got what metrics.jsonl got, the config and the tag of a warm start
     records = wandb_records(pathlib.Path(cfg.run_dir))
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
-    assert "warm-start" in run.tags
+    assert "warm-start" in run.tags and f"from {src_cfg.run_dir}@3"[-64:] in run.tags
     config = {u.key: json.loads(u.value_json) for u in run.config.update}
     assert config["warm_started_from"] == f"{src_cfg.run_dir}@3" == cfg.warm_started_from
     history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}

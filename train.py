@@ -185,8 +185,8 @@ class Log:
 
     def __init__(self, cfg: TrainConfig, run_dir: pathlib.Path, start: int):
         self.cfg, self.start, self.nonfinite = cfg, start, 0
-        tags = ["warm-start"] * bool(cfg.warm_started_from) + ["init-from-hf"] * bool(
-            cfg.init_from_hf)
+        tags = (["warm-start", f"from {cfg.warm_started_from}"[-64:]] if cfg.warm_started_from
+                else []) + ["init-from-hf"] * bool(cfg.init_from_hf)
         self.tracker = Tracker(cfg.wandb, run_dir, dataclasses.asdict(cfg), tags,
                                jax.process_index() == 0)
         self.file = None
