@@ -40,7 +40,8 @@ def hf_config(cfg: ModelConfig, seq_len: int) -> dict:
         "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "max_position_embeddings": seq_len,
+        "rope_theta": cfg.rope_theta, "max_position_embeddings": seq_len,  # and as v5 has it:
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
         "use_sliding_window": False, "torch_dtype": "float32",
         "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
@@ -120,6 +121,10 @@ def load_hf(folder: pathlib.Path, cfg: ModelConfig) -> dict:
     except (OSError, ValueError, json.JSONDecodeError) as e:
         raise UserError(f"--init-from-hf {folder}: not a Hugging Face model folder with "
                         f"config.json and model.safetensors ({e})") from None
+    if not isinstance(hf, dict):
+        raise UserError(f"--init-from-hf {folder}/config.json is not a model config")
+    if "rope_theta" not in hf:  # transformers 5 writes it under rope_parameters
+        hf["rope_theta"] = (hf.get("rope_parameters") or {}).get("rope_theta")
     if hf.get("tie_word_embeddings") and "model.embed_tokens.weight" in tensors:  # tied head
         tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])
     if "head_dim" not in hf and isinstance(hf.get("num_attention_heads"), int):  # older configs

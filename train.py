@@ -3,9 +3,12 @@
     python train.py                          # the CPU default: a few minutes on a laptop
     python train.py tiny --steps 50          # a preset, then any flag (--help lists them all)
     python train.py marin-32b --dry-run --mesh.data 256 --mesh.model 4
+    python train.py --resume runs/default    # continue a run with its stored config
 
 Running the same command again in the same --run-dir resumes from the latest checkpoint and
-continues exactly (bitwise, on CPU). Ctrl-C / SIGTERM saves a checkpoint before exiting.
+continues exactly (bitwise, on CPU). Ctrl-C / SIGTERM saves a checkpoint before exiting; a
+second Ctrl-C stops at once. Every mistake in the flags, the data or the run directory is one
+line and exit status 2, before anything is written.
 
 NOTE for readers looking for `pjit`: in current JAX, `jax.jit` with shardings *is* pjit;
 `jax.experimental.pjit` is deprecated. The mesh uses explicit sharding (`AxisType.Explicit`).
