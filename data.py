@@ -11,7 +11,11 @@ other batches for steps A..B" (Marin's "skip the problematic data") is one setti
 Sources (`DataConfig.source`):
   ""              the embedded default: this Python's own standard library `.py` sources as bytes
                   (vocab 256) -- real text on every machine with Python, no download;
-  a text file or a folder of files, read as bytes;
+  a text file or a folder of text files, read as bytes;
+  token shards    a `*.npy` / `*.bin` file, a folder holding such files, or a glob
+                  ("data/fineweb_train_*.bin"): memory-mapped and concatenated in sorted order,
+                  never read as bytes. In a shard folder, files named `*_val_*` (llm.c's naming)
+                  are the validation split, never trained on;
   `*.npy`         a 1-D integer token array (loaded with allow_pickle=False, memory-mapped);
   `*.bin`         an llm.c / modded-nanogpt shard (256 x int32 header: magic 20240520 -> uint16
                   tokens, 20240801 -> uint32), else nanoGPT's headerless little-endian uint16.
@@ -38,6 +42,9 @@ class DataConfig:
     # "A:B[,C:D]": steps A..B-1 train on other batches than their own (Marin tried skipping
     # the data before a spike)
     replace_batches: str = ""
+    # The held-out set's source (file, folder or glob); "" = a shard folder's *_val_* files,
+    # else the held-out tail of `source`. With a validation source, all of `source` is trained on.
+    val_source: str = ""
 
     def __post_init__(self):
         if self.seq_len <= 0 or self.batch_size <= 0:
@@ -74,29 +81,95 @@ def _read_bytes(paths) -> np.ndarray:
     return np.frombuffer(b"".join(p.read_bytes() for p in paths), dtype=np.uint8)
 
 
-def load_tokens(source: str) -> np.ndarray:
-    """A 1-D integer array of token ids (memory-mapped where the format allows)."""
-    if not source:
-        return _read_bytes(stdlib_files())
+SHARD_SUFFIXES = (".npy", ".bin")
+
+
+def is_val_shard(path: pathlib.Path) -> bool:
+    return "_val_" in path.name or path.name.startswith("val_")
+
+
+def shard_paths(source: str, split: str = "all") -> list[pathlib.Path] | None:
+    """The token shards `source` names, sorted: a glob, a folder holding .npy / .bin files
+    (`split`: "train" drops its *_val_* files, "val" keeps only those), or one such file.
+    None if `source` is text (a text file, or a folder without shards)."""
+    if any(c in source for c in "*?["):
+        paths = sorted(p for p in pathlib.Path("/").glob(str(pathlib.Path(source).absolute())[1:])
+                       if p.is_file())
+        if not paths:
+            raise ValueError(f"data source {source!r} matches no file")
+        return paths
     path = pathlib.Path(source)
     if not path.exists():
-        raise ValueError(f"data.source {source!r} does not exist: give a text file, a folder, "
-                         "a .npy or a .bin token file")
-    if path.is_dir():
-        return _read_bytes(sorted(p for p in path.rglob("*") if p.is_file()))
-    if path.suffix == ".npy":
-        try:
-            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-        except ValueError as e:  # pickled object arrays and malformed headers land here
-            raise ValueError(f"{source}: not a plain .npy token array ({e}); save integer "
-                             "tokens with np.save(path, array) and no object dtype") from None
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"{source}: expected a 1-D integer token array, got "
-                             f"{tokens.dtype} of shape {tokens.shape}")
-        return tokens
-    if path.suffix == ".bin":
-        return _load_bin(path)
-    return np.fromfile(path, dtype=np.uint8)
+        raise ValueError(f"data source {source!r} does not exist: give a text file, a folder, "
+                         "a glob, or a .npy or .bin token file")
+    if path.is_file():
+        return [path] if path.suffix in SHARD_SUFFIXES else None
+    shards = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SHARD_SUFFIXES)
+    if not shards:
+        return None
+    if split != "all":
+        shards = [p for p in shards if is_val_shard(p) == (split == "val")]
+    return shards
+
+
+def load_tokens(source: str, vocab_size: int = 2**31 - 1, split: str = "train"):
+    """A 1-D array of token ids (memory-mapped where the format allows; several shards as a
+    `Shards` view, never copied). Every shard's ids are checked against `vocab_size` here."""
+    if not source:
+        return _read_bytes(stdlib_files())
+    paths = shard_paths(source, split)
+    if paths is None:
+        path = pathlib.Path(source)
+        return _read_bytes(sorted(p for p in path.rglob("*") if p.is_file())) \
+            if path.is_dir() else np.fromfile(path, dtype=np.uint8)
+    if not paths:
+        raise ValueError(f"data source {source!r} holds no {split} shards")
+    parts = []
+    for path in paths:
+        tokens = _load_npy(path) if path.suffix == ".npy" else _load_bin(path)
+        if tokens.size and (int(tokens.max()) >= vocab_size or int(tokens.min()) < 0):
+            raise ValueError(f"{path} holds token id {int(tokens.max())}, outside the vocab of "
+                             f"{vocab_size}: raise --model.vocab-size or fix the tokenizer")
+        parts.append(tokens)
+    return parts[0] if len(parts) == 1 else Shards(parts)
+
+
+class Shards:
+    """Several token arrays read as one, without copying: slices are views, and a short slice
+    (a training window) becomes an array when NumPy asks for one."""
+
+    def __init__(self, parts: list):
+        self.parts = [p for p in parts if p.size]
+        self.offsets = np.cumsum([0] + [p.size for p in self.parts])
+        self.size = int(self.offsets[-1])
+
+    def __getitem__(self, index: slice) -> "Shards":
+        start, stop, _ = index.indices(self.size)
+        parts = [p[max(start - lo, 0):max(min(stop - lo, p.size), 0)]
+                 for p, lo in zip(self.parts, self.offsets)]
+        return Shards(parts)
+
+    def __array__(self, dtype=None, copy=None):
+        out = np.concatenate(self.parts) if self.parts else np.zeros(0, np.int32)
+        return out if dtype is None else out.astype(dtype)
+
+    def max(self):
+        return max(p.max() for p in self.parts)
+
+    def min(self):
+        return min(p.min() for p in self.parts)
+
+
+def _load_npy(path: pathlib.Path) -> np.ndarray:
+    try:
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as e:  # pickled object arrays and malformed headers land here
+        raise ValueError(f"{path}: not a plain .npy token array ({e}); save integer "
+                         "tokens with np.save(path, array) and no object dtype") from None
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"{path}: expected a 1-D integer token array, got "
+                         f"{tokens.dtype} of shape {tokens.shape}")
+    return tokens
 
 
 def _load_bin(path: pathlib.Path) -> np.ndarray:
@@ -122,7 +195,7 @@ class TokenData:
 
     def __init__(self, cfg: DataConfig, vocab_size: int = 256):
         self.cfg = cfg
-        tokens = load_tokens(cfg.source)
+        tokens = load_tokens(cfg.source, vocab_size)
         name = cfg.source or "the embedded corpus"
         if tokens.size == 0:
             raise ValueError(f"data.source {name} is empty")
@@ -131,12 +204,23 @@ class TokenData:
             raise ValueError(f"{name} holds token id {top}, outside the vocab of {vocab_size}: "
                              "raise --model.vocab-size or fix the tokenizer")
         self.window = cfg.seq_len + 1
-        n_held_out = max(int(tokens.size * cfg.held_out_fraction), self.window)
-        if tokens.size - n_held_out < self.window:
+        auto_val = (cfg.source and not any(c in cfg.source for c in "*?[")
+                    and pathlib.Path(cfg.source).is_dir() and shard_paths(cfg.source, "val"))
+        val_source = cfg.val_source or (cfg.source if auto_val else "")
+        if val_source:  # a validation split of its own: all of `source` is training data
+            val = load_tokens(val_source, vocab_size, split="val" if not cfg.val_source
+                              else "all")
+            if val.size < self.window:
+                raise ValueError(f"the validation source {val_source} has {val.size} tokens: "
+                                 f"too short for one sequence of {self.window}")
+            self.train, self.held_out = tokens, val
+        else:
+            n_held_out = max(int(tokens.size * cfg.held_out_fraction), self.window)
+            self.train, self.held_out = tokens[:-n_held_out], tokens[-n_held_out:]
+        if self.train.size < self.window:
             raise ValueError(f"{name} has {tokens.size} tokens: too short for one training "
-                             f"sequence of {self.window} plus a held-out slice of {n_held_out}; "
-                             "use more data or a smaller --data.seq-len")
-        self.train, self.held_out = tokens[:-n_held_out], tokens[-n_held_out:]
+                             f"sequence of {self.window} (plus a held-out slice); use more data "
+                             "or a smaller --data.seq-len")
         self.replaced = parse_ranges(cfg.replace_batches, "replace_batches")
 
     def _rows(self, tokens, starts, rows: slice):

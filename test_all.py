@@ -403,6 +403,37 @@ def test_npy_bin_and_text_sources_read_the_same_tokens(tmp_path):
     assert data.batch(0).max() < 1000
 
 
+def llmc_shard(path: pathlib.Path, tokens: np.ndarray) -> pathlib.Path:
+    header = np.zeros(256, "<i4")
+    header[:3] = (20240520, 1, tokens.size)
+    path.write_bytes(header.tobytes() + tokens.astype("<u2").tobytes())
+    return path
+
+
+def test_a_folder_or_glob_of_shards_is_one_stream_and_its_val_shards_are_never_trained_on(
+        tmp_path):
+    rng = np.random.default_rng(0)
+    train = [rng.integers(0, 100, n) for n in (3000, 50, 2000)]  # ids below 100
+    val = rng.integers(200, 256, 1500)  # ids from 200 up: easy to spot in a batch
+    for i, t in enumerate(train):  # written out of order: read in sorted order
+        llmc_shard(tmp_path / f"fineweb_train_{2 - i:06d}.bin", t) if i < 2 else \
+            np.save(tmp_path / f"fineweb_train_{2 - i:06d}.npy", t.astype(np.int32))
+    llmc_shard(tmp_path / "fineweb_val_000000.bin", val)
+    stream = np.concatenate([train[2], train[1], train[0]])  # 000000.npy, 000001, 000002
+    folder = D.TokenData(dataclasses.replace(TINY.data, source=str(tmp_path)))
+    assert folder.train.size == stream.size and folder.held_out.size == val.size
+    np.testing.assert_array_equal(np.asarray(folder.train), stream)
+    np.testing.assert_array_equal(np.asarray(folder.train[2990:3010]), stream[2990:3010])
+    np.testing.assert_array_equal(np.asarray(folder.held_out), val)
+    batches = np.concatenate([folder.batch(s) for s in range(200)])
+    assert batches.max() < 100  # never a validation token
+    assert folder.held_out_batches().min() >= 200  # held out: validation tokens only
+    glob = D.TokenData(dataclasses.replace(TINY.data, source=str(tmp_path / "*_train_*"),
+                                           val_source=str(tmp_path / "*_val_*")))
+    np.testing.assert_array_equal(glob.batch(7), folder.batch(7))  # the same stream
+    np.testing.assert_array_equal(glob.held_out_batches(), folder.held_out_batches())
+
+
 def test_a_pickled_npy_is_refused(tmp_path):
     np.save(tmp_path / "p.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(ValueError, match="not a plain .npy"):
@@ -897,6 +928,12 @@ BAD_INPUTS = [
     ("report", ["{lossless_metrics}"], "records without a loss"),
     ("report", ["{empty}"], "no metrics.jsonl"),
     ("report", ["{lossless_metrics}", "--no-such-flag"], "--no-such-flag"),
+    # token shards: folders, globs, a validation source
+    ("train", ["--data.source", "{empty_dir}/*.bin"], "matches no file"),
+    ("train", ["--data.val-source", "/nonexistent/val.bin"], "does not exist"),
+    ("train", ["--data.source", "{shards}", "--model.vocab-size", "128"],
+     "train_000001.bin holds token id 200, outside the vocab of 128"),
+    ("train", ["--data.source", "{shards}", "--data.val-source", "{short}"], "too short"),
     # --resume, Hugging Face folders in and out, W&B
     ("train", ["--resume", "{run}"], "no config.json there"),
     ("train", ["--resume"], "--resume needs a run directory"),
@@ -946,13 +983,17 @@ def bad_files(tmp_path_factory, straight_run):
         (d / name).mkdir()
         (d / name / ("metrics.jsonl" if "metrics" in name else "config.json")).write_text(text)
     E.export(E.ExportArgs(run=straight_run[0].run_dir, to=str(d / "hf_llama")))
+    (d / "shards").mkdir()
+    llmc_shard(d / "shards" / "x_train_000000.bin", np.arange(5000) % 100)
+    llmc_shard(d / "shards" / "x_train_000001.bin", np.full(100, 200))
+    (d / "empty_dir").mkdir()
     (d / "checkpoints_file").mkdir()
     (d / "checkpoints_file" / "checkpoints").write_text("not a directory")
     return {"empty": d / "empty.txt", "big_ids": d / "big.npy", "short": d / "short.txt",
             "pickled": d / "pickled.npy", "floats": d / "floats.npy",
             "truncated_llmc": d / "truncated.bin", "odd_bin": d / "odd.bin",
             "existing": existing, "trained": pathlib.Path(straight_run[0].run_dir),
-            "hf_llama": d / "hf_llama",
+            "hf_llama": d / "hf_llama", "shards": d / "shards", "empty_dir": d / "empty_dir",
             **{n: d / n for n in [*texts, "checkpoints_file"]}}
 
 
