@@ -23,9 +23,13 @@ Sources (`DataConfig.source`):
 
 import dataclasses
 import pathlib
+import sys
 import sysconfig
+import time
 
 import numpy as np
+
+from cli import UserError, command, parse
 
 LLMC_MAGIC = {20240520: np.uint16, 20240801: np.uint32}  # llm.c: GPT-2 shards, Llama-3 shards
 LLMC_HEADER_INTS = 256
@@ -244,3 +248,101 @@ class TokenData:
         starts = np.linspace(0, self.held_out.size - self.window, C * B).astype(np.int64)
         return np.stack([self._rows(self.held_out, starts[c * B:(c + 1) * B], rows)
                          for c in range(C)])
+
+
+# ---------------------------------------------------------------------------------------------
+# `python data.py prepare`: text -> a byte-level BPE tokenizer -> llm.c token shards
+
+@dataclasses.dataclass(frozen=True)
+class PrepareArgs:
+    out: str  # the folder to write: data_train_000000.bin, data_val_000000.bin, tokenizer.json
+    text: str = ""  # a folder (or file) of text; "" = the embedded standard-library corpus
+    vocab_size: int = 4096  # BPE vocab to train (with --tokenizer: taken from the file)
+    tokenizer: str = ""  # a tokenizer.json to use instead of training one
+    val_fraction: float = 0.01  # the tail of the token stream (at least 4,096 tokens): validation
+
+    def __post_init__(self):
+        if not 257 <= self.vocab_size <= 2**32 - 1:
+            raise ValueError(f"--vocab-size must lie in [257, 2**32), got {self.vocab_size}")
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"--val-fraction must lie in (0, 1), got {self.val_fraction}")
+
+
+def write_llmc(path: pathlib.Path, tokens: np.ndarray) -> None:
+    """An llm.c shard: 256 x int32 header (magic, version 1, count), then uint16 / uint32."""
+    magic = 20240520 if tokens.max(initial=0) < 2**16 else 20240801
+    header = np.zeros(LLMC_HEADER_INTS, "<i4")
+    header[:3] = (magic, 1, tokens.size)
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(np.dtype(LLMC_MAGIC[magic]).newbyteorder("<")).tobytes())
+
+
+def prepare(args: PrepareArgs) -> dict:
+    """Train (or load) a byte-level BPE on local text, encode every document in one batch call,
+    write train / val shards and tokenizer.json. Returns what was written and how fast."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    out = pathlib.Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {out} exists and is not empty: choose a new folder")
+    if args.text and not pathlib.Path(args.text).exists():
+        raise ValueError(f"--text {args.text} does not exist")
+    files = stdlib_files() if not args.text else [pathlib.Path(args.text)] if pathlib.Path(
+        args.text).is_file() else sorted(p for p in pathlib.Path(args.text).rglob("*")
+                                         if p.is_file())
+    tok = None
+    if args.tokenizer:
+        try:
+            tok = tokenizers.Tokenizer.from_file(args.tokenizer)
+        except Exception as e:
+            raise ValueError(f"--tokenizer {args.tokenizer} is not a tokenizer.json "
+                             f"({type(e).__name__})") from None
+    docs = [p.read_bytes().decode("utf-8", errors="replace") for p in files]
+    if not any(docs):
+        raise ValueError(f"--text {args.text} holds no text")
+    t0 = time.perf_counter()
+    if tok is None:
+        tok = tokenizers.Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.train_from_iterator(docs, trainers.BpeTrainer(
+            vocab_size=args.vocab_size, show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    t1 = time.perf_counter()
+    ids = [np.asarray(e.ids, np.uint32) for e in tok.encode_batch(docs)]
+    t2 = time.perf_counter()
+    tokens = np.concatenate(ids)
+    n_val = min(max(int(tokens.size * args.val_fraction), 4096), tokens.size // 2)
+    train, val = tokens[:-n_val], tokens[-n_val:]  # the stream's tail: validation
+    out.mkdir(parents=True, exist_ok=True)
+    write_llmc(out / "data_train_000000.bin", train)
+    write_llmc(out / "data_val_000000.bin", val)
+    tok.save(str(out / "tokenizer.json"))
+    vocab = -(-tok.get_vocab_size() // 128) * 128  # a multiple of 128: shards over "model"
+    n_bytes = sum(len(d.encode()) for d in docs)
+    return {"train_tokens": int(train.size), "val_tokens": int(val.size), "vocab_size": vocab,
+            "bytes_per_token": n_bytes / (train.size + val.size), "train_seconds": t1 - t0,
+            "encode_tokens_per_s": (train.size + val.size) / (t2 - t1)}
+
+
+@command
+def main(argv: list[str]) -> int:
+    if argv[:1] != ["prepare"]:
+        raise UserError("usage: python data.py prepare --out DIR [--text DIR] [--vocab-size N] "
+                        "[--tokenizer FILE] [--val-fraction F]")
+    args = parse(PrepareArgs, argv[1:], prog="data.py prepare", description=prepare.__doc__)
+    try:
+        r = prepare(args)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    print(f"wrote {args.out}: {r['train_tokens']:,} training and {r['val_tokens']:,} validation "
+          f"tokens ({r['bytes_per_token']:.2f} bytes per token), tokenizer.json; BPE trained in "
+          f"{r['train_seconds']:.1f} s, encoded at {r['encode_tokens_per_s'] / 1e6:.2f}M tokens/s")
+    print(f"train on them: python train.py --data.source {args.out} --model.vocab-size "
+          f"{r['vocab_size']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

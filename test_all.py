@@ -434,6 +434,28 @@ def test_a_folder_or_glob_of_shards_is_one_stream_and_its_val_shards_are_never_t
     np.testing.assert_array_equal(glob.held_out_batches(), folder.held_out_batches())
 
 
+def test_prepare_trains_a_bpe_and_writes_shards_that_train_with_a_validation_split(tmp_path,
+                                                                                    capsys):
+    import tokenizers
+    text = tmp_path / "text"
+    text.mkdir()
+    for f in D.stdlib_files()[:12]:
+        (text / f.name).write_bytes(f.read_bytes())
+    assert D.main(["prepare", "--text", str(text), "--out", str(tmp_path / "tok"),
+                   "--vocab-size", "300"]) == 0
+    out = capsys.readouterr().out
+    assert "--model.vocab-size 384" in out  # 300 rounded up to a multiple of 128
+    tok = tokenizers.Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    train = D.load_tokens(str(tmp_path / "tok" / "data_train_000000.bin"))
+    sample = (text / sorted(p.name for p in text.iterdir())[0]).read_text()[:500]
+    assert tok.decode(tok.encode(sample).ids) == sample  # byte-level: lossless
+    cfg = tiny(tmp_path, steps=4, data__source=str(tmp_path / "tok"), model__vocab_size=384)
+    last = T.train(cfg, devices=jax.devices()[:1])
+    data = D.TokenData(cfg.data, 384)
+    assert data.train.size == train.size  # all of the train shard; the val shard held out
+    assert np.isfinite(last["eval_loss"]) and last["eval_loss"] < np.log(384) + 0.5
+
+
 def test_a_pickled_npy_is_refused(tmp_path):
     np.save(tmp_path / "p.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(ValueError, match="not a plain .npy"):
@@ -934,6 +956,11 @@ BAD_INPUTS = [
     ("train", ["--data.source", "{shards}", "--model.vocab-size", "128"],
      "train_000001.bin holds token id 200, outside the vocab of 128"),
     ("train", ["--data.source", "{shards}", "--data.val-source", "{short}"], "too short"),
+    ("data", ["prepare", "--out", "{run}", "--text", "/nonexistent"], "does not exist"),
+    ("data", ["prepare", "--out", "{empty}"], "exists and is not empty"),
+    ("data", ["prepare", "--out", "{run}", "--tokenizer", "{empty}"], "is not a tokenizer.json"),
+    ("data", ["prepare", "--out", "{run}", "--vocab-size", "100"], "--vocab-size must lie in"),
+    ("data", ["tokenize"], "usage: python data.py prepare"),
     # --resume, Hugging Face folders in and out, W&B
     ("train", ["--resume", "{run}"], "no config.json there"),
     ("train", ["--resume"], "--resume needs a run directory"),
@@ -1011,8 +1038,8 @@ def test_bad_input_exits_2_and_writes_nothing(command, argv, message, bad_files,
         argv = preset + argv + run_dir
     trees = (bad_files["empty"].parent, bad_files["trained"], tmp_path)
     before = [tree_hashes(t) for t in trees]
-    code = {"train": T.main, "warmstart": W.main, "report": R.main, "export": E.main}[command](
-        argv)
+    code = {"train": T.main, "warmstart": W.main, "report": R.main, "export": E.main,
+            "data": D.main}[command](argv)
     err = capsys.readouterr().err
     assert code == 2
     assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
