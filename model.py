@@ -196,11 +196,11 @@ def rms_norm(x, scale, eps):
     return (x32 * scale).astype(x.dtype)
 
 
-def rope(x_BTNH, theta: float):
-    """Rotary position embedding, rotate-half layout (Llama)."""
+def rope(x_BTNH, theta: float, offset=0):
+    """Rotary position embedding, rotate-half layout (Llama); positions offset..offset+T-1."""
     T, H = x_BTNH.shape[1], x_BTNH.shape[-1]
     freq_H2 = theta ** (-jnp.arange(0, H, 2, dtype=jnp.float32) / H)
-    angle_TH2 = jnp.arange(T, dtype=jnp.float32)[:, None] * freq_H2[None, :]
+    angle_TH2 = (offset + jnp.arange(T, dtype=jnp.float32))[:, None] * freq_H2[None, :]
     cos, sin = jnp.cos(angle_TH2)[None, :, None, :], jnp.sin(angle_TH2)[None, :, None, :]
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -280,6 +280,55 @@ def forward(params: dict, tokens_BT, cfg: ModelConfig):
     x_BTD = rms_norm(x_BTD, top["final_norm"], cfg.norm_eps)
     logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, top["head"], out_sharding=P("data", None, None))
     return logits_BTV.astype(jnp.float32), {"attn_logit_max": logit_max_L}
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding with a KV cache (sample.py): the same math as `forward`, one new chunk at a time
+
+def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
+    """Keys and values of every layer for `length` positions, and how many are filled."""
+    shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype),
+            "pos": jnp.zeros((), jnp.int32)}
+
+
+def forward_cached(params: dict, tokens_BT, cache: dict, cfg: ModelConfig):
+    """Logits [B, T, V] of T new tokens at positions cache["pos"]..+T-1, attending to every
+    earlier position through the cache; returns (logits, the cache with them added). For one
+    device, outside any mesh (sampling): the params are plain, unsharded arrays."""
+    dtype, pos = jnp.dtype(cfg.dtype), cache["pos"]
+    B, T = tokens_BT.shape
+    K, H, G = cfg.n_kv_heads, cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
+    top = {k: v.astype(dtype) for k, v in params.items() if k != "layers"}
+    x_BTD = top["embed"][tokens_BT]
+
+    def block(x_BTD, layer):
+        layer_params, k_cache_BSKH, v_cache_BSKH = layer
+        p = {k: v.astype(dtype) for k, v in layer_params.items()}
+        h_BTD = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
+        q_BTNH, k_BTKH, v_BTKH = (jnp.einsum("btd,dnh->btnh", h_BTD, p[w])
+                                  for w in ("wq", "wk", "wv"))
+        if cfg.qk_norm:
+            q_BTNH = rms_norm(q_BTNH, p["q_norm"], cfg.norm_eps)
+            k_BTKH = rms_norm(k_BTKH, p["k_norm"], cfg.norm_eps)
+        q_BTNH, k_BTKH = rope(q_BTNH, cfg.rope_theta, pos), rope(k_BTKH, cfg.rope_theta, pos)
+        k_cache_BSKH = jax.lax.dynamic_update_slice(k_cache_BSKH, k_BTKH, (0, pos, 0, 0))
+        v_cache_BSKH = jax.lax.dynamic_update_slice(v_cache_BSKH, v_BTKH, (0, pos, 0, 0))
+        S = k_cache_BSKH.shape[1]
+        logits_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTNH.reshape(B, T, K, G, H),
+                                  k_cache_BSKH).astype(jnp.float32) / math.sqrt(H)
+        seen_TS = jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None]  # causal, and filled
+        probs_BKGTS = jax.nn.softmax(jnp.where(seen_TS, logits_BKGTS, -1e30), axis=-1)
+        out_BTNH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS.astype(dtype),
+                              v_cache_BSKH).reshape(B, T, K * G, H)
+        x_BTD = x_BTD + jnp.einsum("btnh,nhd->btd", out_BTNH, p["wo"])
+        h_BTD = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
+        mlp_BTF = jax.nn.silu(h_BTD @ p["w_gate"]) * (h_BTD @ p["w_up"])
+        return x_BTD + mlp_BTF @ p["w_down"], (k_cache_BSKH, v_cache_BSKH)
+
+    x_BTD, (k, v) = jax.lax.scan(block, x_BTD, (params["layers"], cache["k"], cache["v"]))
+    logits_BTV = rms_norm(x_BTD, top["final_norm"], cfg.norm_eps) @ top["head"]
+    return logits_BTV.astype(jnp.float32), {"k": k, "v": v, "pos": pos + T}
 
 
 def loss_fn(params: dict, tokens_BT1, cfg: ModelConfig):

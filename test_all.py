@@ -29,6 +29,7 @@ import export as E  # noqa: E402
 import model as M  # noqa: E402
 import optim as O  # noqa: E402
 import report as R  # noqa: E402
+import sample as S  # noqa: E402
 import tracking as TR  # noqa: E402
 import train as T  # noqa: E402
 import warmstart as W  # noqa: E402
@@ -130,6 +131,23 @@ def test_qk_norm_scales_are_declared_once_and_leave_other_inits_alone():
     b = M.init_params(dataclasses.replace(TINY.model, qk_norm=True), jax.random.key(0))
     np.testing.assert_array_equal(a["layers"]["wq"], b["layers"]["wq"])
     np.testing.assert_array_equal(b["layers"]["k_norm"], 1.0)
+
+
+def test_decoding_with_a_kv_cache_gives_the_logits_of_forward(tiny_tokens):
+    cfg = dataclasses.replace(TINY.model, qk_norm=True)
+    params = M.init_params(cfg, jax.random.key(1))
+    tokens = tiny_tokens[:2, :20]
+    with jax.set_mesh(mesh_of(1, 1)):
+        full = np.asarray(M.forward(params, tokens, cfg)[0])
+    plain = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), params)  # one device, no mesh
+    step = jax.jit(M.forward_cached, static_argnums=3)
+    logits, cache = step(plain, tokens[:, :12], M.init_cache(cfg, 2, 24), cfg)  # prefill
+    chunks = [logits]
+    for t in range(12, 20):  # then one token at a time
+        logits, cache = step(plain, tokens[:, t:t + 1], cache, cfg)
+        chunks.append(logits)
+    np.testing.assert_allclose(np.concatenate(chunks, 1), full, atol=1e-5)
+    assert step._cache_size() == 2  # prefill and one decode step: no compile per token
 
 
 def test_the_marin_32b_preset_has_32b_parameters():
@@ -961,6 +979,13 @@ BAD_INPUTS = [
     ("data", ["prepare", "--out", "{run}", "--tokenizer", "{empty}"], "is not a tokenizer.json"),
     ("data", ["prepare", "--out", "{run}", "--vocab-size", "100"], "--vocab-size must lie in"),
     ("data", ["tokenize"], "usage: python data.py prepare"),
+    ("sample", ["{existing}"], "has no checkpoint to sample from"),
+    ("sample", ["{run}"], "no config.json there"),
+    ("sample", ["{trained}", "--step", "5"], "no checkpoint at step 5"),
+    ("sample", ["{trained}", "--prompt", "x" * 40], "the prompt is 40 tokens: give 1 to 32"),
+    ("sample", ["{trained}", "--prompt", ""], "the prompt is 0 tokens"),
+    ("sample", ["{trained}", "--temperature", "-1"], "--temperature a finite number"),
+    ("sample", ["{trained}", "--top-k", "-2"], "--top-k >= 0"),
     # --resume, Hugging Face folders in and out, W&B
     ("train", ["--resume", "{run}"], "no config.json there"),
     ("train", ["--resume"], "--resume needs a run directory"),
@@ -1039,7 +1064,7 @@ def test_bad_input_exits_2_and_writes_nothing(command, argv, message, bad_files,
     trees = (bad_files["empty"].parent, bad_files["trained"], tmp_path)
     before = [tree_hashes(t) for t in trees]
     code = {"train": T.main, "warmstart": W.main, "report": R.main, "export": E.main,
-            "data": D.main}[command](argv)
+            "data": D.main, "sample": S.main}[command](argv)
     err = capsys.readouterr().err
     assert code == 2
     assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
@@ -1631,6 +1656,26 @@ def test_a_run_initialised_from_a_hf_folder_starts_from_its_weights(straight_run
     assert C.read_config(tmp_path / "run")["init_from_hf"] == str(hf)
 
 
+def test_greedy_sampling_is_deterministic_and_starts_with_the_forward_argmax(straight_run,
+                                                                             capsys):
+    cfg = straight_run[0]
+    argv = [cfg.run_dir, "--prompt", "def spike", "--max-new-tokens", "40", "--temperature", "0"]
+    assert S.main(argv) == 0 and S.main(argv) == 0
+    out = capsys.readouterr()
+    first, second = out.out.split("def spike")[1:]
+    assert first == second and "tokens/s" in out.err  # deterministic
+    params = restore_final(cfg, 6)["params"]
+    prompt = np.frombuffer(b"def spike", np.uint8).astype(np.int32)[None]
+    with jax.set_mesh(mesh_of(1, 1)):
+        argmax = int(np.argmax(M.forward(params, prompt, cfg.model)[0][0, -1]))
+    ids, _ = S.generate(jax.tree.map(np.asarray, params), cfg.model, prompt[0].tolist(),
+                        S.SampleArgs(run="", max_new_tokens=5, temperature=0))
+    assert ids[0] == argmax
+    sampled = S.generate(jax.tree.map(np.asarray, params), cfg.model, prompt[0].tolist(),
+                         S.SampleArgs(run="", max_new_tokens=5, temperature=1.0, top_k=3))[0]
+    assert len(sampled) == 5
+
+
 # ---------------------------------------------------------------------------------------------
 # report.py
 
@@ -1752,7 +1797,7 @@ def test_lr_sensitivity_recovery_and_the_spread_rule():
 # The whole project: imports flow one way
 
 PROJECT = ["cli", "model", "optim", "data", "tracking", "distributed", "checkpoint", "config",
-           "export", "report", "train", "warmstart", "experiments", "bench"]
+           "export", "report", "train", "warmstart", "sample", "experiments", "bench"]
 
 
 def project_imports(name: str) -> tuple[set, set]:

@@ -1,0 +1,134 @@
+"""Text from a run's checkpoint: a jitted decode step over a KV cache.
+
+    python sample.py runs/default --prompt "def " --max-new-tokens 200 --temperature 0.8 \
+        --top-k 50 --seed 0
+    python sample.py runs/default --step 200 --prompt "import " --temperature 0   # greedy
+
+The prompt is encoded with the run's tokenizer (`tokenizer.json` beside its data, as
+`data.py prepare` writes it), else as UTF-8 bytes; the output is decoded the same way (invalid
+bytes replaced). The prompt is run through the model once (prefill), then one token at a time
+reads the cache, all in one compiled function (no recompilation, no host round trip per
+token). Positions past the sequence length the model was trained on are allowed, and said to be
+untrained.
+"""
+
+import dataclasses
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tyro
+
+from checkpoint import saved_steps
+from cli import UserError, command, parse
+from config import TrainConfig, load_config
+from export import restore_params
+from model import ModelConfig, forward_cached, init_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleArgs:
+    run: tyro.conf.Positional[str]  # a train.py run directory
+    prompt: str = "def "
+    step: int | None = None  # the checkpoint; default the latest
+    max_new_tokens: int = 200
+    temperature: float = 0.8  # 0 = greedy (the most likely token every time)
+    top_k: int = 50  # sample among the k most likely tokens; 0 = all
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.max_new_tokens <= 0 or self.top_k < 0 or not 0 <= self.temperature < np.inf:
+            raise ValueError("--max-new-tokens must be positive, --top-k >= 0 and "
+                             "--temperature a finite number >= 0")
+
+
+def codec(cfg: TrainConfig):
+    """(encode, decode) of the run's tokens: its tokenizer.json, else UTF-8 bytes."""
+    tokenizer = pathlib.Path(cfg.data.source) / "tokenizer.json" if cfg.data.source else None
+    if tokenizer is not None and tokenizer.is_file():
+        import tokenizers
+        tok = tokenizers.Tokenizer.from_file(str(tokenizer))
+        return (lambda text: tok.encode(text).ids), (lambda ids: tok.decode(list(ids)))
+    return (lambda text: list(text.encode())), (lambda ids: bytes(ids).decode("utf-8", "replace"))
+
+
+def make_generate(cfg: ModelConfig, temperature: float, top_k: int):
+    """(params, prompt [1, P], cache, keys [N]) -> N new token ids: the prompt through the model
+    once (prefill), then N - 1 single-token steps over the cache in a `lax.scan`: one compiled
+    function, one dispatch, no host round trip per token."""
+    def pick(logits_BV, key):
+        if temperature == 0:
+            return jnp.argmax(logits_BV, axis=-1)
+        if top_k:
+            kth = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
+            logits_BV = jnp.where(logits_BV < kth, -jnp.inf, logits_BV)
+        return jax.random.categorical(key, logits_BV / temperature, axis=-1)
+
+    def generate(params, prompt_BP, cache, keys):
+        logits_BPV, cache = forward_cached(params, prompt_BP, cache, cfg)
+        first_B = pick(logits_BPV[:, -1], keys[0])
+
+        def step(carry, key):
+            token_B, cache = carry
+            logits_B1V, cache = forward_cached(params, token_B[:, None], cache, cfg)
+            token_B = pick(logits_B1V[:, -1], key)
+            return (token_B, cache), token_B
+        _, rest_NB = jax.lax.scan(step, (first_B, cache), keys[1:])
+        return jnp.concatenate([first_B[None], rest_NB])[:, 0]
+    return jax.jit(generate)
+
+
+def generate(params: dict, cfg: ModelConfig, prompt: list[int], args: SampleArgs
+             ) -> tuple[list[int], float]:
+    """The new token ids, and the seconds they took (compiled ahead, so without the compile)."""
+    params = jax.tree.map(jnp.asarray, params)
+    inputs = (params, jnp.asarray([prompt], jnp.int32),
+              init_cache(cfg, 1, len(prompt) + args.max_new_tokens),
+              jax.random.split(jax.random.key(args.seed), args.max_new_tokens))
+    compiled = make_generate(cfg, args.temperature, args.top_k).lower(*inputs).compile()
+    t0 = time.perf_counter()
+    ids = np.asarray(compiled(*inputs))
+    return ids.tolist(), time.perf_counter() - t0
+
+
+def sample(args: SampleArgs) -> str:
+    run = pathlib.Path(args.run)
+    cfg = load_config(run)
+    if cfg is None:
+        raise UserError(f"{run}: no config.json there; give a train.py run directory")
+    steps = saved_steps(run)
+    if not steps:
+        raise UserError(f"{run} has no checkpoint to sample from: train it first")
+    if args.step is not None and args.step not in steps:
+        raise UserError(f"{run} has no checkpoint at step {args.step}; it has {steps}")
+    encode, decode = codec(cfg)
+    prompt = encode(args.prompt)
+    if not prompt or len(prompt) > cfg.data.seq_len:
+        raise UserError(f"the prompt is {len(prompt)} tokens: give 1 to {cfg.data.seq_len} (the "
+                        "model's sequence length)")
+    if max(prompt) >= cfg.model.vocab_size:
+        raise UserError(f"the prompt holds token {max(prompt)}, outside the model's vocab of "
+                        f"{cfg.model.vocab_size}")
+    step = args.step if args.step is not None else steps[-1]
+    params = restore_params(run, step, cfg)
+    ids, seconds = generate(params, cfg.model, prompt, args)
+    total = len(prompt) + len(ids)
+    note = (f"; positions past {cfg.data.seq_len} were never trained on"
+            if total > cfg.data.seq_len else "")
+    print(args.prompt + decode(ids))
+    print(f"\n[{len(ids)} tokens from step {step} of {run} in {seconds:.2f} s (prefill "
+          f"included, compile not): {len(ids) / seconds:.0f} tokens/s{note}]", file=sys.stderr)
+    return decode(ids)
+
+
+@command
+def main(argv: list[str]) -> int:
+    sample(parse(SampleArgs, argv, description=__doc__, prog="sample.py"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
