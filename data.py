@@ -310,7 +310,7 @@ def prepare(args: PrepareArgs) -> dict:
             vocab_size=args.vocab_size, show_progress=False,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     t1 = time.perf_counter()
-    ids = [np.asarray(e.ids, np.uint32) for e in tok.encode_batch(docs)]
+    ids = [np.asarray(e.ids, np.uint32) for e in tok.encode_batch_fast(docs)]  # no offsets
     t2 = time.perf_counter()
     tokens = np.concatenate(ids)
     n_val = min(max(int(tokens.size * args.val_fraction), 4096), tokens.size // 2)
