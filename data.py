@@ -188,6 +188,9 @@ def _load_bin(path: pathlib.Path) -> np.ndarray:
                                  f"tokens) does not match the file size {size}: file truncated?")
             return np.memmap(path, dtype=dtype, mode="r", offset=LLMC_HEADER_INTS * 4,
                              shape=(count,))
+        if 20_000_000 <= int(header[0]) < 30_000_000 and header[1] == 1:  # date-like: llm.c's
+            raise ValueError(f"{path}: unknown llm.c shard magic {int(header[0])} (known: "
+                             f"{', '.join(map(str, LLMC_MAGIC))}): not a shard this reads")
     if size % 2:
         raise ValueError(f"{path}: a headerless .bin must hold uint16 tokens (nanoGPT), but its "
                          f"size {size} is odd")

@@ -472,6 +472,10 @@ def test_prepare_trains_a_bpe_and_writes_shards_that_train_with_a_validation_spl
     data = D.TokenData(cfg.data, 384)
     assert data.train.size == train.size  # all of the train shard; the val shard held out
     assert np.isfinite(last["eval_loss"]) and last["eval_loss"] < np.log(384) + 0.5
+    capsys.readouterr()
+    assert S.main([cfg.run_dir, "--prompt", "import os", "--max-new-tokens", "20"]) == 0
+    text = capsys.readouterr().out  # decoded with the run's tokenizer
+    assert text.startswith("import os") and len(text) > len("import os\n")
 
 
 def test_a_pickled_npy_is_refused(tmp_path):
@@ -970,6 +974,7 @@ BAD_INPUTS = [
     ("report", ["{lossless_metrics}", "--no-such-flag"], "--no-such-flag"),
     # token shards: folders, globs, a validation source
     ("train", ["--data.source", "{empty_dir}/*.bin"], "matches no file"),
+    ("train", ["--data.source", "{bad_magic}"], "unknown llm.c shard magic 20240999"),
     ("train", ["--data.val-source", "/nonexistent/val.bin"], "does not exist"),
     ("train", ["--data.source", "{shards}", "--model.vocab-size", "128"],
      "train_000001.bin holds token id 200, outside the vocab of 128"),
@@ -1022,6 +1027,8 @@ def bad_files(tmp_path_factory, straight_run):
     header[:3] = [20240520, 1, 10_000]  # says 10,000 tokens; holds 100
     (d / "truncated.bin").write_bytes(header.tobytes() + np.zeros(100, np.uint16).tobytes())
     (d / "odd.bin").write_bytes(b"1234567")
+    header[:3] = [20240999, 1, 100]  # a magic llm.c never wrote
+    (d / "bad_magic.bin").write_bytes(header.tobytes() + np.zeros(100, np.uint16).tobytes())
     existing = d / "existing"
     existing.mkdir()
     (existing / "config.json").write_text(json.dumps(dataclasses.asdict(
@@ -1044,6 +1051,7 @@ def bad_files(tmp_path_factory, straight_run):
     return {"empty": d / "empty.txt", "big_ids": d / "big.npy", "short": d / "short.txt",
             "pickled": d / "pickled.npy", "floats": d / "floats.npy",
             "truncated_llmc": d / "truncated.bin", "odd_bin": d / "odd.bin",
+            "bad_magic": d / "bad_magic.bin",
             "existing": existing, "trained": pathlib.Path(straight_run[0].run_dir),
             "hf_llama": d / "hf_llama", "shards": d / "shards", "empty_dir": d / "empty_dir",
             **{n: d / n for n in [*texts, "checkpoints_file"]}}
