@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax import P
 
+import attention as A
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -39,6 +41,10 @@ class ModelConfig:
     # (same stacked parameters, same checkpoints): XLA then fuses across layers -- 15% faster
     # on a 4-layer CPU model, but compile time grows with depth.
     scan_layers: bool = True
+    # Which attention computes the same math (attention.py): auto picks by platform and length;
+    # dense is the reference (and what the recorded experiments ran); blockwise is O(T) memory.
+    attention: A.Form = "auto"
+    attention_block: int = 256  # blockwise: positions per query / key block
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
@@ -54,6 +60,15 @@ class ModelConfig:
                 f"model.n_heads={self.n_heads} is not a multiple of "
                 f"model.n_kv_heads={self.n_kv_heads}: pick n_kv_heads that divides n_heads"
             )
+        if self.attention not in A.FORMS:
+            raise ValueError(f"model.attention must be one of {', '.join(A.FORMS)}, "
+                             f"got {self.attention}")
+        if self.attention == "cudnn" and self.dtype == "float32":
+            raise ValueError("model.attention cudnn needs --model.dtype bfloat16 or float16 "
+                             "(cuDNN's fused attention has no float32 kernel)")
+        if self.attention_block <= 0:
+            raise ValueError(f"model.attention_block must be positive, got "
+                             f"{self.attention_block}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"model.dtype must be float32, bfloat16 or float16, got {self.dtype}")
         if self.head_dim % 2:
@@ -225,12 +240,13 @@ def dense(x, w, out_spec: P):
     in_spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim  # explicit: in the type
     x_MI = x.reshape(B * T, math.prod(x.shape[2:]), out_sharding=P("data", in_spec[2]))
     w_IO = w.reshape(math.prod(w.shape[:n_in]), math.prod(out_shape))
-    y_MO = jnp.einsum("mi,io->mo", x_MI, w_IO, out_sharding=P("data", out_spec[-1]))
+    y_MO = jnp.einsum("mi,io->mo", x_MI, w_IO, out_sharding=P("data", out_spec[0]))
     return y_MO.reshape(B, T, *out_shape, out_sharding=P("data", None, *out_spec))
 
 
 def attention(x_BTD, p, cfg: ModelConfig):
-    """Causal grouped-query attention. Returns the output and the max |attention logit|."""
+    """Causal grouped-query attention. Returns the output and the max |attention logit|
+    over the causal entries. The scores below are the dense form; attention.py has the others."""
     B, T, _ = x_BTD.shape
     K, H = cfg.n_kv_heads, cfg.head_dim
     G = cfg.n_heads // K
@@ -241,6 +257,10 @@ def attention(x_BTD, p, cfg: ModelConfig):
         q_BTNH = rms_norm(q_BTNH, p["q_norm"], cfg.norm_eps)
         k_BTKH = rms_norm(k_BTKH, p["k_norm"], cfg.norm_eps)
     q_BTNH, k_BTKH = rope(q_BTNH, cfg.rope_theta), rope(k_BTKH, cfg.rope_theta)
+    form = A.resolve(cfg.attention, T, cfg.dtype)
+    if form != "dense":
+        out_BTNH, logit_max = A.attend(q_BTNH, k_BTKH, v_BTKH, form, cfg.attention_block)
+        return dense(out_BTNH, p["wo"], P(None)), logit_max
     q_BTKGH = q_BTNH.reshape(B, T, K, G, H)
     logits_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BTKH,
                               out_sharding=P("data", "model")).astype(jnp.float32)

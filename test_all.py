@@ -5,6 +5,7 @@ they can be (one tiny config, module-level fixtures), since JAX compiles are slo
 """
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -22,6 +23,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
 
+import attention as A  # noqa: E402
 import checkpoint as C  # noqa: E402
 import config as CF  # noqa: E402
 import data as D  # noqa: E402
@@ -172,6 +174,75 @@ def test_the_max_attention_logit_counts_causal_entries_only():
     causal = np.tril(np.ones(logits.shape[-2:], bool))
     assert logits.max() > logits[..., causal].max()  # the masked entries would change it
     assert float(aux["attn_logit_max"][0]) == pytest.approx(logits[..., causal].max(), rel=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention.py
+
+@functools.cache
+def loss_logit_max_grads(model_cfg, mesh_shape):
+    """Loss, per-layer max |attention logit| and gradients on a fixed [4, 41] batch."""
+    tokens = np.random.default_rng(5).integers(0, 256, (4, 41)).astype(np.int32)
+    params = M.init_params(model_cfg, jax.random.key(2))
+    with jax.set_mesh(mesh_of(*mesh_shape)):
+        f = jax.value_and_grad(lambda p, x: M.loss_fn(p, x, model_cfg), has_aux=True)
+        (loss, aux), grads = jax.jit(f)(params, tokens)
+    return (float(loss), np.asarray(aux["attn_logit_max"]),
+            [np.asarray(g) for g in jax.tree.leaves(grads)])
+
+
+@pytest.mark.parametrize("form,mesh_shape,qk_norm", [
+    ("grouped", (1, 1), True), ("blockwise", (1, 1), True),
+    ("grouped", (2, 2), False), ("blockwise", (2, 2), False)])
+def test_every_attention_form_equals_dense_in_loss_logit_max_and_gradients(form, mesh_shape,
+                                                                           qk_norm):
+    """Grouped-query attention (4 query heads on 2 KV heads), T = 40 in blocks of 16 (the last
+    one padded), init_std 0.2 so that the logits are large without QK-Norm (max ~10); on one
+    device and on a 2x2 mesh (batch and heads split)."""
+    cfg = dataclasses.replace(TINY.model, qk_norm=qk_norm, init_std=0.2, attention_block=16)
+    ref = loss_logit_max_grads(dataclasses.replace(cfg, attention="dense"), mesh_shape)
+    got = loss_logit_max_grads(dataclasses.replace(cfg, attention=form), mesh_shape)
+    assert got[0] == pytest.approx(ref[0], rel=1e-6)
+    np.testing.assert_allclose(got[1], ref[1], rtol=1e-5)
+    assert len(got[2]) == len(ref[2])
+    for g, r in zip(got[2], ref[2]):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5 * np.abs(r).max())
+
+
+def test_the_cudnn_form_makes_the_library_call_with_the_same_layout_and_statistic():
+    """On CPU the library's XLA implementation stands in for cuDNN: same call, same layout,
+    and the statistic from its query-blockwise pass (T = 600 > its 512-position blocks)."""
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(2, 600, 4, 16)) * 3, jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(2, 600, 2, 16)), jnp.float32) for _ in range(2))
+    out, top = jax.jit(functools.partial(A.cudnn, implementation="xla"))(q, k, v)
+    ref_out, ref_top = jax.jit(A.grouped)(q, k, v)
+    np.testing.assert_allclose(out, ref_out, atol=2e-5)
+    assert float(top) == pytest.approx(float(ref_top), rel=1e-6)
+
+
+def test_auto_attention_picks_the_form_by_platform_dtype_and_length():
+    assert A.resolve("auto", 128, "float32", "cpu") == "grouped"
+    assert A.resolve("auto", 2 * A.AUTO_GROUPED_MAX_T, "float32", "cpu") == "blockwise"
+    assert A.resolve("auto", 4096, "bfloat16", "gpu") == "cudnn"
+    assert A.resolve("auto", 4096, "float32", "gpu") == "blockwise"  # cuDNN: 16-bit only
+    assert A.resolve("auto", 128, "bfloat16", "tpu") == "blockwise"
+    assert A.resolve("dense", 4096, "bfloat16", "gpu") == "dense"
+
+
+def test_blockwise_attention_memory_grows_linearly_with_length():
+    """The compiled gradient's temporary memory about doubles when T doubles with the
+    blockwise form (no [T, T] tensor is stored) and about quadruples with the grouped one."""
+    def temp_bytes(attend, T):
+        q = jax.ShapeDtypeStruct((1, T, 4, 16), jnp.float32)
+        kv = jax.ShapeDtypeStruct((1, T, 2, 16), jnp.float32)
+        grad = jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v)[0]), argnums=(0, 1, 2))
+        return jax.jit(grad).lower(q, kv, kv).compile().memory_analysis().temp_size_in_bytes
+
+    def blockwise(q, k, v):
+        return A.blockwise(q, k, v, 64)
+    assert temp_bytes(blockwise, 2048) / temp_bytes(blockwise, 1024) <= 2.3
+    assert temp_bytes(A.grouped, 2048) / temp_bytes(A.grouped, 1024) >= 3.5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -814,7 +885,8 @@ def test_a_checkpoint_written_before_the_split_restores_and_resumes_bitwise(tmp_
     out = subprocess.run([sys.executable, "train.py", "tiny", "--model.d-model", "32",
                           "--model.d-ff", "64", "--optim.skip-step", "--optim.update-clip",
                           "norm", "--steps", "4", "--checkpoint-every", "2", "--eval-every", "2",
-                          "--log-every", "2", "--run-dir", str(run)],
+                          "--log-every", "2", "--run-dir", str(run),
+                          "--model.attention", "dense"],  # the form that wrote it: bitwise
                          cwd=HERE, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "at step 2" in out.stdout, out.stdout + out.stderr
     cfg = dataclasses.replace(CF.load_config(old), run_dir=str(run))
@@ -916,6 +988,10 @@ BAD_INPUTS = [
     ("train", ["--model.vocab-size", "0"], "model.vocab_size must be positive"),
     ("train", ["--model.vocab-size", "100"], "outside the vocab"),
     ("train", ["--model.dtype", "float64"], "model.dtype must be"),
+    ("train", ["--model.attention", "cudnn", "--model.dtype", "bfloat16"], "needs an NVIDIA GPU"),
+    ("train", ["--model.attention", "cudnn"], "no float32 kernel"),
+    ("train", ["--model.attention", "flash"], "--model.attention"),
+    ("train", ["--model.attention-block", "0"], "model.attention_block must be positive"),
     ("train", ["--data.seq-len", "0"], "data.seq_len and data.batch_size must be positive"),
     ("train", ["--data.batch-size", "-8"], "data.seq_len and data.batch_size must be positive"),
     ("train", ["--data.held-out-fraction", "1"], "held_out_fraction must lie in (0, 1)"),
@@ -1136,11 +1212,17 @@ def start_tiny_run(run: pathlib.Path, *flags: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for_step(proc: subprocess.Popen, step: int) -> None:
+def wait_for_line(proc: subprocess.Popen, wanted, what: str) -> None:
+    """Read the run's stdout up to the first line for which wanted(line) holds."""
     for line in proc.stdout:
-        if line.startswith("step") and f" {step}/" in line:
+        if wanted(line):
             return
-    raise AssertionError(f"the run ended before step {step}: {proc.stderr.read()[-2000:]}")
+    raise AssertionError(f"the run ended before {what}: {proc.stderr.read()[-2000:]}")
+
+
+def wait_for_step(proc: subprocess.Popen, step: int) -> None:
+    wait_for_line(proc, lambda line: line.startswith("step") and f" {step}/" in line,
+                  f"step {step}")
 
 
 def test_ctrl_c_twice_stops_at_once_in_one_line(tmp_path):
@@ -1150,7 +1232,8 @@ def test_ctrl_c_twice_stops_at_once_in_one_line(tmp_path):
     try:
         wait_for_step(proc, 5)
         proc.send_signal(signal.SIGINT)
-        assert "SIGINT: saving a checkpoint" in proc.stdout.readline() + proc.stdout.readline()
+        # (the steps that ran before the signal was seen may be printed first)
+        wait_for_line(proc, lambda line: "SIGINT: saving a checkpoint" in line, "the SIGINT line")
         proc.send_signal(signal.SIGINT)  # while the first one's checkpoint is being written
         assert proc.wait(timeout=30) == 128 + 2
         err = proc.stderr.read()

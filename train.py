@@ -29,6 +29,7 @@ import optax
 from jax import P
 from jax.experimental import multihost_utils
 
+from attention import check_platform, resolve
 from checkpoint import (abstract_state, check_run_dir, checkpoint_manager, fresh_state,
                         per_device_bytes, resume, run_lock, save_checkpoint, saved_steps,
                         strict_json, write_config)
@@ -73,6 +74,10 @@ def parse_flags(default: TrainConfig, args: list[str]) -> TrainConfig:
 def setup_mesh(cfg: TrainConfig, devices) -> jax.sharding.Mesh:
     """The mesh of cfg.mesh over `devices`, once the model and batch are known to fit on it."""
     check_fits(cfg.mesh, cfg.model, cfg.data.batch_size, len(devices))
+    try:
+        check_platform(cfg.model.attention, devices[0].platform)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     return make_mesh(cfg.mesh, devices)
 
 
@@ -144,6 +149,9 @@ def dry_run(cfg: TrainConfig) -> None:
     print(f"parameters          {n:,} ({n / 1e9:.2f}B)")
     print(f"FLOPs per token     {flops_per_token(cfg.model, cfg.data.seq_len):.3e} "
           "(6N + causal attention)")
+    form = resolve(cfg.model.attention, cfg.data.seq_len, cfg.model.dtype)
+    print(f"attention           {form} ({cfg.model.attention} on {jax.default_backend()}, "
+          f"seq {cfg.data.seq_len})")
     print(f"params + opt state  {total / 2**30:.2f} GiB total, {per_device / 2**30:.3f} GiB "
           f"per device on a {cfg.mesh.data}x{cfg.mesh.model} (data x model) mesh")
 

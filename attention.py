@@ -1,0 +1,234 @@
+"""Causal grouped-query attention in the forms `--model.attention` selects.
+
+    out_BTNH, logit_max = attend(q_BTNH, k_BTKH, v_BTKH, form, block)   # q, k after RoPE
+
+Every form computes softmax(q k^T / sqrt(H), causal) v, and the max |q.k / sqrt(H)| over the
+entries attention uses (the causal ones): the statistic that explodes without QK-Norm. The
+statistic is a metric and carries no gradient.
+
+    dense      the reference (model.attention): scores [B, K, G, T, S] with K and V broadcast
+               over each KV head's G query heads; memory O(T^2) per layer
+    grouped    each KV head's G query heads folded into the rows of one score matmul,
+               [B, K, T*G, H] x [B, K, H, S]: no broadcast of K and V; still O(T^2)
+    blockwise  FlashAttention (Dao et al. 2205.14135) in JAX: online softmax over key blocks,
+               blocks above the diagonal never computed, and a custom_vjp whose backward pass
+               recomputes each block's probabilities from the saved log-sum-exp instead of
+               storing them: memory O(T * block) per layer
+    cudnn      jax.nn.dot_product_attention(implementation="cudnn"): NVIDIA GPUs, bf16 / fp16
+    auto       cudnn on a GPU with a 16-bit dtype, grouped on CPU up to AUTO_GROUPED_MAX_T,
+               blockwise otherwise (TPU included; a Pallas kernel would serve TPU better)
+
+grouped, blockwise and cudnn run per device under `jax.shard_map` (batch over "data", heads
+over "model"), so their loops see plain local arrays.
+"""
+
+import math
+import typing
+
+import jax
+import jax.numpy as jnp
+from jax import P
+
+Form = typing.Literal["auto", "dense", "grouped", "blockwise", "cudnn"]
+FORMS = typing.get_args(Form)
+AUTO_GROUPED_MAX_T = 256  # bench.py: grouped is faster up to here on CPU, blockwise beyond
+_MASKED = -1e30
+
+
+def resolve(form: str, seq_len: int, dtype: str, backend: str | None = None) -> str:
+    """The form `auto` stands for on this platform and sequence length; other forms as given."""
+    if form != "auto":
+        return form
+    backend = backend or jax.default_backend()
+    if backend == "gpu" and dtype in ("bfloat16", "float16"):
+        return "cudnn"
+    if backend == "cpu" and seq_len <= AUTO_GROUPED_MAX_T:
+        return "grouped"
+    return "blockwise"
+
+
+def check_platform(form: str, platform: str) -> None:
+    if form == "cudnn" and platform != "gpu":
+        raise ValueError(f"--model.attention cudnn needs an NVIDIA GPU, and these devices are "
+                         f"{platform}: use --model.attention auto")
+
+
+def attend(q_BTNH, k_BTKH, v_BTKH, form: str, block: int):
+    """Attention output [B, T, N, H] and the max |attention logit| (a float32 scalar), for
+    the arrays of a ("data", "model") mesh: batch on "data", heads on "model"."""
+    local = {"grouped": grouped, "cudnn": cudnn,
+             "blockwise": lambda q, k, v: blockwise(q, k, v, block)}[form]
+
+    def per_device(q, k, v):
+        out, logit_max = local(q, k, v)
+        return out, logit_max[None]  # one per device; their max is taken outside
+
+    spec = P("data", None, "model", None)
+    # check_vma=False: the loops' carries start as fresh zeros, which the check would have
+    # us mark as device-varying one by one.
+    out_BTNH, maxes = jax.shard_map(per_device, in_specs=(spec, spec, spec),
+                                    out_specs=(spec, P(("data", "model"))),
+                                    check_vma=False)(q_BTNH, k_BTKH, v_BTKH)
+    return out_BTNH, jnp.max(maxes)
+
+
+def _grouped_rows(x_BTNH, K):
+    """[B, T, N, H] -> [B, K, T*G, H]: row t*G + g is query head g of KV head k at position t."""
+    B, T, N, H = x_BTNH.shape
+    return x_BTNH.reshape(B, T, K, N // K, H).transpose(0, 2, 1, 3, 4).reshape(B, K, -1, H)
+
+
+def _ungroup(x_BKRH, T):
+    B, K, R, H = x_BKRH.shape
+    return x_BKRH.reshape(B, K, T, R // T, H).transpose(0, 2, 1, 3, 4).reshape(B, T, -1, H)
+
+
+def grouped(q_BTNH, k_BTKH, v_BTKH):
+    B, T, N, H = q_BTNH.shape
+    K, G = k_BTKH.shape[2], N // k_BTKH.shape[2]
+    q_BKRH = _grouped_rows(q_BTNH * jnp.asarray(1 / math.sqrt(H), q_BTNH.dtype), K)
+    logits_BKRS = jnp.einsum("bkrh,bskh->bkrs", q_BKRH, k_BTKH,
+                             preferred_element_type=jnp.float32)
+    causal_RS = (jnp.arange(T * G) // G)[:, None] >= jnp.arange(T)[None, :]
+    logit_max = jnp.max(jnp.where(causal_RS, jnp.abs(logits_BKRS), 0.0))
+    probs_BKRS = jax.nn.softmax(jnp.where(causal_RS, logits_BKRS, _MASKED), axis=-1)
+    out_BKRH = jnp.einsum("bkrs,bskh->bkrh", probs_BKRS.astype(v_BTKH.dtype), v_BTKH)
+    return _ungroup(out_BKRH, T), jax.lax.stop_gradient(logit_max)
+
+
+def cudnn(q_BTNH, k_BTKH, v_BTKH, implementation="cudnn"):
+    """The library's fused attention (cuDNN's flash kernel on NVIDIA GPUs), and the statistic
+    from a pass over the scores one query block at a time (forward only, memory O(T * 512))."""
+    B, T, N, H = q_BTNH.shape
+    K = k_BTKH.shape[2]
+    out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True,
+                                            implementation=implementation)
+    q_BTNH, k_BTKH = jax.lax.stop_gradient((q_BTNH / math.sqrt(H), k_BTKH))
+    c = min(512, T)
+    q_nBKRH, _, _, n = _blocks(q_BTNH, k_BTKH, k_BTKH, c)
+
+    def block_max(i):
+        s_BKRS = jnp.einsum("bkrh,bskh->bkrs", q_nBKRH[i], k_BTKH,
+                            preferred_element_type=jnp.float32)
+        return jnp.max(jnp.where(_causal(i * c, 0, s_BKRS.shape[-2:], N // K),
+                                 jnp.abs(s_BKRS), 0.0))
+
+    return out_BTNH, jnp.max(jax.lax.map(block_max, jnp.arange(n)))
+
+
+# ---------------------------------------------------------------------------------------------
+# blockwise: the layout is [n blocks, B, K, rows, H]; a query block holds c positions x G heads
+# (c*G rows, position-major), a key block c positions.
+
+def _blocks(q_BTNH, k_BTKH, v_BTKH, c):
+    """Pad T to a multiple of c and split it into blocks (padded keys sit after every real
+    query, so the causal mask hides them; padded query rows are dropped at the end)."""
+    B, T, N, H = q_BTNH.shape
+    K = k_BTKH.shape[2]
+    n = -(-T // c)
+    pad = [(0, 0), (0, n * c - T), (0, 0), (0, 0)]
+
+    def split(x, heads, group):
+        x = jnp.pad(x, pad).reshape(B, n, c, K, group, H)
+        return x.transpose(1, 0, 3, 2, 4, 5).reshape(n, B, K, c * group, H)
+    return split(q_BTNH, N, N // K), split(k_BTKH, K, 1), split(v_BTKH, K, 1), n
+
+
+def _causal(q_start, k_start, shape, G):
+    """Rows of queries from position q_start (G heads per position) against the columns of
+    keys from position k_start: True where the query's position >= the key's."""
+    rows, cols = shape
+    return (q_start + jnp.arange(rows) // G)[:, None] >= (k_start + jnp.arange(cols))[None, :]
+
+
+def blockwise(q_BTNH, k_BTKH, v_BTKH, block: int):
+    B, T, N, H = q_BTNH.shape
+    c = min(block, T)
+    q_BTNH = q_BTNH * jnp.asarray(1 / math.sqrt(H), q_BTNH.dtype)
+    q, k, v, n = _blocks(q_BTNH, k_BTKH, v_BTKH, c)
+    out_nBKRH, logit_max = _flash(q, k, v)
+    K = k.shape[2]
+    out_BncKGH = out_nBKRH.reshape(n, B, K, c, N // K, H).transpose(1, 0, 3, 2, 4, 5)
+    return out_BncKGH.reshape(B, n * c, N, H)[:, :T], logit_max
+
+
+@jax.custom_vjp
+def _flash(q, k, v):
+    out, _, logit_max = _flash_forward(q, k, v)
+    return out, logit_max
+
+
+def _flash_forward(q, k, v):
+    G = q.shape[3] // k.shape[3]  # query heads per KV head
+    diagonal_RS = _causal(0, 0, (q.shape[3], k.shape[3]), G)  # the only blocks that need a mask
+
+    def query_block(i):
+        q_BKRH = q[i]
+
+        def key_block(j, carry, on_diagonal=False):
+            m_BKR, l_BKR, acc_BKRH, top = carry
+            s_BKRS = jnp.einsum("bkrh,bksh->bkrs", q_BKRH, k[j],
+                                preferred_element_type=jnp.float32)
+            if on_diagonal:
+                top = jnp.maximum(top, jnp.max(jnp.where(diagonal_RS, jnp.abs(s_BKRS), 0.0)))
+                s_BKRS = jnp.where(diagonal_RS, s_BKRS, _MASKED)
+            else:
+                top = jnp.maximum(top, jnp.max(jnp.abs(s_BKRS)))
+            m_new = jnp.maximum(m_BKR, jnp.max(s_BKRS, axis=-1))
+            p_BKRS = jnp.exp(s_BKRS - m_new[..., None])
+            rescale = jnp.exp(m_BKR - m_new)
+            acc_BKRH = acc_BKRH * rescale[..., None] + jnp.einsum(
+                "bkrs,bksh->bkrh", p_BKRS.astype(v.dtype), v[j],
+                preferred_element_type=jnp.float32)
+            return m_new, l_BKR * rescale + jnp.sum(p_BKRS, axis=-1), acc_BKRH, top
+
+        shape = q_BKRH.shape[:-1]
+        init = (jnp.full(shape, _MASKED, jnp.float32), jnp.zeros(shape, jnp.float32),
+                jnp.zeros(q_BKRH.shape, jnp.float32), jnp.zeros((), jnp.float32))
+        carry = jax.lax.fori_loop(0, i, key_block, init)  # the blocks left of the diagonal
+        m, total, acc, top = key_block(i, carry, on_diagonal=True)  # none right of it: causal
+        return (acc / total[..., None]).astype(q.dtype), m + jnp.log(total), top
+
+    out, lse, top = jax.lax.map(query_block, jnp.arange(q.shape[0]))
+    return out, lse, jnp.max(top)
+
+
+def _flash_fwd(q, k, v):
+    out, lse, logit_max = _flash_forward(q, k, v)
+    return (out, logit_max), (q, k, v, out, lse)
+
+
+def _flash_bwd(residuals, cotangents):
+    """Per key block j, over the query blocks i >= j: recompute p = exp(s - lse), then
+    dv += p^T do, ds = p * (do v^T - rowsum(do * out)), dq += ds k, dk += ds^T q."""
+    q, k, v, out, lse = residuals
+    d_out = cotangents[0]  # the statistic's cotangent is dropped: it carries no gradient
+    diagonal_RS = _causal(0, 0, (q.shape[3], k.shape[3]), q.shape[3] // k.shape[3])
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    f32 = dict(preferred_element_type=jnp.float32)
+
+    def key_block(dq, j):
+        def query_block(i, carry, on_diagonal=False):
+            dq, dk_BKSH, dv_BKSH = carry
+            s_BKRS = jnp.einsum("bkrh,bksh->bkrs", q[i], k[j], **f32)
+            if on_diagonal:
+                s_BKRS = jnp.where(diagonal_RS, s_BKRS, _MASKED)
+            p_BKRS = jnp.exp(s_BKRS - lse[i][..., None])
+            dv_BKSH += jnp.einsum("bkrs,bkrh->bksh", p_BKRS.astype(v.dtype), d_out[i], **f32)
+            dp_BKRS = jnp.einsum("bkrh,bksh->bkrs", d_out[i], v[j], **f32)
+            ds_BKRS = (p_BKRS * (dp_BKRS - delta[i][..., None])).astype(q.dtype)
+            dq = dq.at[i].add(jnp.einsum("bkrs,bksh->bkrh", ds_BKRS, k[j], **f32))
+            dk_BKSH += jnp.einsum("bkrs,bkrh->bksh", ds_BKRS, q[i], **f32)
+            return dq, dk_BKSH, dv_BKSH
+
+        zeros = jnp.zeros(k.shape[1:], jnp.float32)
+        carry = query_block(j, (dq, zeros, zeros), on_diagonal=True)
+        dq, dk, dv = jax.lax.fori_loop(j + 1, q.shape[0], query_block, carry)  # below it
+        return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
+
+    dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(q.shape, jnp.float32),
+                                jnp.arange(k.shape[0]))
+    return dq.astype(q.dtype), dk, dv
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
