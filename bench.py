@@ -1,28 +1,40 @@
 """Benchmarks that print figures, measured side by side in one run (never a timed test).
 
-    python bench.py                 # CPU default preset; writes bench/results.json
+    python bench.py                  # ~15 minutes on 2 idle cores; writes bench/results.json
+    python bench.py --rounds 3       # quicker, noisier
 
-1. This machine's limit: a 2048^3 float32 matmul through JAX, and the model's own projection
-   shapes (tokens x d_model -> heads, ffw, vocab ...); the best of those is the target rate.
-2. The CPU default's train step: tokens/s, achieved FLOP/s (6N per token + causal attention, as
-   model.flops_per_token counts) and MFU against both rates; no device-to-host transfer in the
-   step (jax.transfer_guard) and no compile after the first step (jax.monitoring).
-3. Overheads, each measured side by side (interleaved repeats, medians): QK-Norm on vs off; the
-   whole spike machinery (skip-step + update-norm clip) vs plain AdamW + clip; per-layer
-   instrumentation on vs off; an orbax checkpoint every 100 steps vs never.
-4. The layer loop: lax.scan vs unrolled (the cpu preset unrolls its 4 layers), step time side
-   by side, and compile time of the train step at 4 and 24 layers for both: a scan's compile
-   time does not grow with depth, an unrolled loop's does.
-5. warmstart.py's conversion of a checkpoint (restore, carry, save) against a plain restore +
-   save of the same one; and the whole warmstart.py command (adds the held-out loss report).
+Run it alone: other processes on the CPU moved these figures by 11-40%. bench.py measures how
+much CPU time other processes took during the run (/proc/stat) and warns when it was more than
+5% of the machine.
+
+Every timed variant runs in its own process (one process holding many compiled steps ran the
+same step 5-12% slower), and the processes take turns: in each round every process times a few
+steps while the others wait, so drift on the machine hits all alike. Figures are medians over
+the rounds. One more process times the matmuls in the same turns: the 2048^3 peak and the step's
+own matmul shapes (forward projections, input gradients, weight gradients over the B*T tokens).
+
+1. Sequence scaling: tokens/s at seq 128 ... 1,024 with the same 4,096 tokens per step and model,
+   for each attention form (attention.py); `auto` is the form model.attention picks here.
+2. The step at seq 128: FLOP/s (model.flops_per_token) as a fraction of the 2048^3 matmul and of
+   the step's own matmul mix; no host transfer in the step, no compile after the first.
+3. Overheads, side by side: QK-Norm; the spike machinery (skip-step + update-norm clip) vs plain
+   AdamW + clip; per-layer instrumentation; an orbax checkpoint every 100 steps; layers as a
+   scan loop vs unrolled.
+4. Memory: the compiled step's temporary buffers at seq 1,024 / 2,048 / 4,096 (batch 1), blockwise
+   vs dense attention (XLA's memory_analysis; nothing is run).
+5. Compile time of the train step at 4 and 24 layers, scan vs unrolled; warmstart.py's conversion.
 """
 
+import argparse
 import dataclasses
 import json
 import os
 import pathlib
 import platform
+import resource
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -31,13 +43,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import attention as A
 import checkpoint as C
-from config import PRESETS
+from config import PRESETS, config_from_dict
 from distributed import make_mesh
 import model as M
 import optim as O
 import train as T
 import warmstart as W
+
+SEQ_LENS = (128, 256, 512, 1024)
+TOKENS_PER_STEP = 4096
+MEMORY_SEQ_LENS = (1024, 2048, 4096)
+CHECKPOINT_EVERY = 100
 
 
 def plain_adamw(cfg: O.OptimConfig, total_steps: int, mask):
@@ -81,80 +99,202 @@ def step_timer(cfg, tx, mesh, tokens):
     return run
 
 
-def matmul_rate(m: int, k: int, n: int, repeats: int = 5) -> float:
-    """FLOP/s of a jitted float32 [m, k] @ [k, n], best of `repeats` timed batches."""
-    a = jnp.ones((m, k), jnp.float32)
-    b = jnp.ones((k, n), jnp.float32)
-    f = jax.jit(lambda a, b: a @ b)
-    f(a, b).block_until_ready()
-    reps = max(1, int(2e9 / (2 * m * k * n)))  # ~2 GFLOP per timed batch
-    best = float("inf")
-    for _ in range(repeats):
+def matmul_fn(kind: str):
+    """The three shapes a projection's matmul takes in a train step, as XLA sees them."""
+    return {"forward": lambda x, w: x @ w,  # [m, k] x [k, n]
+            "input_grad": lambda dy, w: dy @ w.T,  # [m, n] x [k, n]^T
+            "weight_grad": lambda x, dy: x.T @ dy}[kind]  # [m, k]^T x [m, n], over the tokens
+
+
+def matmul_operands(kind, m, k, n):
+    shapes = {"forward": ((m, k), (k, n)), "input_grad": ((m, n), (k, n)),
+              "weight_grad": ((m, k), (m, n))}[kind]
+    return [jnp.full(s, 0.5, jnp.float32) for s in shapes]
+
+
+def projection_shapes(cfg) -> dict:
+    """name -> (matmuls per step, m, k, n): the projections as model.py computes them (q, k
+    and v in one matmul, gate and up in one), each a forward, an input and a weight gradient."""
+    m, tokens = cfg.model, cfg.data.batch_size * cfg.data.seq_len
+    H, L = m.head_dim, m.n_layers
+    proj = {"qkv": (L, m.d_model, (m.n_heads + 2 * m.n_kv_heads) * H),
+            "o": (L, m.n_heads * H, m.d_model), "gate_up": (L, m.d_model, 2 * m.d_ff),
+            "down": (L, m.d_ff, m.d_model), "head": (1, m.d_model, m.vocab_size)}
+    return {f"{name}/{kind}": (count, tokens, k, n) for name, (count, k, n) in proj.items()
+            for kind in ("forward", "input_grad", "weight_grad")}
+
+
+def time_matmuls(fns, budget_s=0.15) -> dict:
+    """FLOP/s of each (f, operands, flops), timed for about budget_s each."""
+    rates = {}
+    for name, (f, args, flops) in fns.items():
+        reps = max(1, int(budget_s * 150e9 / flops))
         t = time.perf_counter()
         for _ in range(reps):
-            out = f(a, b)
+            out = f(*args)
         out.block_until_ready()
-        best = min(best, (time.perf_counter() - t) / reps)
-    return 2 * m * k * n / best
+        rates[name] = flops * reps / (time.perf_counter() - t)
+    return rates
 
 
-def bench_peak(cfg) -> dict:
-    m, tokens = cfg.model, cfg.data.batch_size * cfg.data.seq_len
-    H = m.head_dim
-    shapes = {"q/o": (tokens, m.d_model, m.n_heads * H), "k/v": (tokens, m.d_model,
-              m.n_kv_heads * H), "gate/up": (tokens, m.d_model, m.d_ff),
-              "down": (tokens, m.d_ff, m.d_model), "head": (tokens, m.d_model, m.vocab_size)}
-    rates = {name: matmul_rate(*shape) for name, shape in shapes.items()}
-    return {"matmul_2048_flops": matmul_rate(2048, 2048, 2048),
-            "projection_flops": rates, "best_projection_flops": max(rates.values())}
-
-
-def bench_variants(cfg, repeats=5, n=4) -> dict:
-    """Seconds per step of the default and of each variant, interleaved."""
-    mask = M.decay_mask(cfg.model)
-    variants = {
-        "default": (cfg, None),
-        "qk_norm": (dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
-                                                                         qk_norm=True)), None),
-        "no_per_layer_metrics": (dataclasses.replace(cfg, per_layer_metrics=False), None),
-        "scan_layers": (dataclasses.replace(cfg, model=dataclasses.replace(
-            cfg.model, scan_layers=True)), None),
-        "full_machinery": (dataclasses.replace(cfg, optim=dataclasses.replace(
-            cfg.optim, skip_step=True, update_clip="norm")), None),
-        "plain_adamw": (cfg, plain_adamw(cfg.optim, cfg.steps, mask)),
-    }
+def worker() -> None:
+    """One variant in its own process: set up from a JSON line on stdin, then answer each
+    line "n" with one timing; replies are the stdout lines that start with "@"."""
+    def reply(value):
+        print("@" + json.dumps(value), flush=True)
+    spec = json.loads(sys.stdin.readline())
+    jax.monitoring.register_event_duration_secs_listener(count_compile)
+    if spec["kind"] == "matmul":
+        fns = {}
+        for name, (_, m, k, n) in spec["shapes"].items():
+            kind = name.split("/")[-1]
+            f = jax.jit(matmul_fn(kind))
+            args = matmul_operands(kind, m, k, n)
+            f(*args).block_until_ready()
+            fns[name] = (f, args, 2 * m * k * n)
+        reply("ready")
+        for _ in sys.stdin:
+            reply(time_matmuls(fns))
+        return
+    cfg = config_from_dict(spec["config"])
     mesh = make_mesh(cfg.mesh)
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), tempfile.TemporaryDirectory() as tmp:
         tokens = jax.device_put(np.random.default_rng(0).integers(
-            0, 256, (cfg.data.batch_size, cfg.data.seq_len + 1)).astype(np.int32),
-            jax.NamedSharding(mesh, jax.P("data")))
-        timers = {name: step_timer(c, tx or T.make_tx(c), mesh, tokens)
-                  for name, (c, tx) in variants.items()}
-        times = {name: [] for name in variants}
-        for _ in range(repeats):  # interleaved, so drift on a shared machine hits all alike
-            for name, timer in timers.items():
-                times[name].append(timer(n))
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def bench_checkpoint_cost(cfg) -> float:
-    """Seconds an async orbax save of the train state costs the loop (blocking part + the
-    time the next steps lose to the writer thread), measured on a loop with vs without one."""
-    mesh = make_mesh(cfg.mesh)
-    tx = T.make_tx(cfg)
-    with tempfile.TemporaryDirectory() as tmp, jax.set_mesh(mesh):
-        timer = step_timer(cfg, tx, mesh, jax.device_put(np.zeros(
-            (cfg.data.batch_size, cfg.data.seq_len + 1), np.int32),
-            jax.NamedSharding(mesh, jax.P("data"))))
-        mngr = C.checkpoint_manager(pathlib.Path(tmp), cfg.keep_checkpoints)
-        plain, saving = [], []
-        for i in range(3):
-            plain.append(timer(3) * 3)
+            0, cfg.model.vocab_size, (cfg.data.batch_size, cfg.data.seq_len + 1)).astype(
+            np.int32), jax.NamedSharding(mesh, jax.P("data")))
+        tx = plain_adamw(cfg.optim, cfg.steps, M.decay_mask(cfg.model)) if spec["plain_adamw"] \
+            else T.make_tx(cfg)
+        t = time.perf_counter()
+        timer = step_timer(cfg, tx, mesh, tokens)
+        reply({"first_step_s": time.perf_counter() - t})
+        mngr = C.checkpoint_manager(pathlib.Path(tmp), 2) if spec["save"] else None
+        for i, line in enumerate(sys.stdin):
+            n = int(line)
+            if mngr is None:
+                reply(timer(n))
+                continue
+            # one async save, then n steps: the save's blocking part and what the writer
+            # thread takes from those steps
             t = time.perf_counter()
-            C.save_checkpoint(mngr, i, timer.state(), dataclasses.asdict(cfg))
-            saving.append(time.perf_counter() - t + timer(3) * 3)
+            C.save_checkpoint(mngr, i, timer.state(), spec["config"])
+            timer(n)
+            reply((time.perf_counter() - t) / n)
             mngr.wait_until_finished()
-    return statistics.median(saving) - statistics.median(plain)
+
+
+class Worker:
+    def __init__(self, name: str, spec: dict):
+        self.name = name
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.proc.stdin.write(json.dumps(spec) + "\n")
+        self.proc.stdin.flush()
+        self.ready = self.read()
+
+    def read(self):
+        for line in self.proc.stdout:
+            if line.startswith("@"):
+                return json.loads(line[1:])
+        raise RuntimeError(f"bench worker {self.name} exited with status {self.proc.wait()}")
+
+    def time(self, n: int):
+        self.proc.stdin.write(f"{n}\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def cpu_busy_seconds() -> float:
+    """CPU-seconds all processes on this machine have used since boot (/proc/stat)."""
+    fields = [int(x) for x in pathlib.Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """CPU-seconds of this process and of its finished (waited-for) children."""
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+def variant_specs(cfg, seq_lens) -> dict:
+    """name -> worker spec: every attention form at every length; the overhead variants at
+    the first length with the form `auto` picks there."""
+    def spec(c, plain_adamw=False, save=False):
+        return {"kind": "step", "config": dataclasses.asdict(c), "plain_adamw": plain_adamw,
+                "save": save}
+
+    def at(seq, **model):
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model),
+                                   data=dataclasses.replace(cfg.data, seq_len=seq,
+                                                            batch_size=TOKENS_PER_STEP // seq))
+    specs = {f"{form}@{seq}": spec(at(seq, attention=form)) for seq in seq_lens
+             for form in ("dense", "grouped", "blockwise")}
+    seq = seq_lens[0]
+    base = at(seq, attention=A.resolve("auto", seq, cfg.model.dtype))
+    specs.update({
+        "qk_norm": spec(dataclasses.replace(base, model=dataclasses.replace(base.model,
+                                                                              qk_norm=True))),
+        "no_per_layer_metrics": spec(dataclasses.replace(base, per_layer_metrics=False)),
+        "full_machinery": spec(dataclasses.replace(base, optim=dataclasses.replace(
+            base.optim, skip_step=True, update_clip="norm"))),
+        "plain_adamw": spec(base, plain_adamw=True),
+        "scan_layers": spec(dataclasses.replace(base, model=dataclasses.replace(
+            base.model, scan_layers=True))),
+        "checkpoint": spec(base, save=True)})
+    return specs
+
+
+def run_rounds(cfg, seq_lens, rounds: int, steps_per_turn: int) -> dict:
+    """Start one process per variant (and one for the matmuls), then time them in turns."""
+    specs = {"matmuls": {"kind": "matmul", "shapes": {
+        "2048^3/forward": (1, 2048, 2048, 2048), **projection_shapes(cfg)}}}
+    specs.update(variant_specs(cfg, seq_lens))
+    workers = {}
+    for i, (name, spec) in enumerate(specs.items()):
+        print(f"  starting {name} ({i + 1}/{len(specs)}): compile and one step", flush=True)
+        workers[name] = Worker(name, spec)
+    times = {name: [] for name in workers}
+    try:
+        for r in range(rounds):
+            t = time.perf_counter()
+            for name, w in workers.items():  # interleaved: drift hits every variant alike
+                times[name].append(w.time(steps_per_turn))
+            print(f"  round {r + 1}/{rounds}: {time.perf_counter() - t:.0f} s", flush=True)
+    finally:
+        for w in workers.values():
+            w.close()
+    rates = times.pop("matmuls")
+    return {"step_s": {name: statistics.median(t) for name, t in times.items()},
+            "matmul_flops": {k: statistics.median(r[k] for r in rates) for k in rates[0]},
+            "first_step_s": {name: w.ready["first_step_s"] for name, w in workers.items()
+                             if name != "matmuls"}}
+
+
+def matmul_mix_rate(cfg, rates: dict) -> float:
+    """The FLOP rate of the step's own matmuls: their FLOPs over the time they took alone."""
+    flops = seconds = 0.0
+    for name, (count, m, k, n) in projection_shapes(cfg).items():
+        flops += count * 2 * m * k * n
+        seconds += count * 2 * m * k * n / rates[name]
+    return flops / seconds
+
+
+def temp_memory(cfg, seq: int, form: str) -> int:
+    """Bytes of temporary buffers XLA allocates for the compiled train step (batch 1)."""
+    c = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=form),
+                            data=dataclasses.replace(cfg.data, seq_len=seq, batch_size=1))
+    mesh = make_mesh(c.mesh)
+    tx = T.make_tx(c)
+    with jax.set_mesh(mesh):
+        state = C.abstract_state(c.model, tx, mesh)
+        tokens = jax.ShapeDtypeStruct((1, seq + 1), jnp.int32,
+                                      sharding=jax.NamedSharding(mesh, jax.P("data")))
+        compiled = T.make_train_step(c, tx).lower(state, tokens).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
 
 
 def compile_seconds(cfg) -> float:
@@ -205,56 +345,114 @@ def bench_warmstart(cfg, repeats=3):
 
 
 def main():
-    jax.monitoring.register_event_duration_secs_listener(count_compile)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="turns per variant (medians)")
+    parser.add_argument("--steps-per-turn", type=int, default=3)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker()
     cfg = PRESETS["cpu"]
+    load = os.getloadavg()[0]
+    wall, busy, own = time.perf_counter(), cpu_busy_seconds(), own_cpu_seconds()
     r = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                      "cpu": cpu_name(), "jax": jax.__version__, "devices": str(jax.devices())},
-         "preset": "cpu"}
-    r["peak"] = peak = bench_peak(cfg)
-    print(f"float32 matmul 2048^3: {peak['matmul_2048_flops'] / 1e9:.0f} GFLOP/s; the model's "
-          "projection shapes: " + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in
-                                            peak["projection_flops"].items()) + " GFLOP/s")
-    r["step_s"] = steps = bench_variants(cfg)
-    tokens = cfg.data.batch_size * cfg.data.seq_len
-    flops = M.flops_per_token(cfg.model, cfg.data.seq_len) * tokens / steps["default"]
-    ckpt = bench_checkpoint_cost(cfg)
+         "preset": "cpu", "tokens_per_step": TOKENS_PER_STEP, "rounds": args.rounds}
+    if load > 0.5:
+        print(f"note: load average {load:.1f} at the start: let other work finish first")
+    print(f"1/4 timing {4 * len(SEQ_LENS) + 6} processes in turns ({args.rounds} rounds)")
+    timed = run_rounds(cfg, SEQ_LENS, args.rounds, args.steps_per_turn)
+    steps, rates = timed["step_s"], timed["matmul_flops"]
+    r.update(timed)
+
+    seq0 = SEQ_LENS[0]
+    auto = {seq: A.resolve("auto", seq, cfg.model.dtype) for seq in SEQ_LENS}
+    r["tokens_per_s"] = {f"{form}@{seq}": TOKENS_PER_STEP / steps[f"{form}@{seq}"]
+                         for seq in SEQ_LENS for form in ("dense", "grouped", "blockwise")}
+    r["tokens_per_s"].update({f"auto@{seq}": r["tokens_per_s"][f"{auto[seq]}@{seq}"]
+                              for seq in SEQ_LENS})
+    tps = r["tokens_per_s"]
+    default = steps[f"{auto[seq0]}@{seq0}"]
+    flops = M.flops_per_token(cfg.model, seq0) * TOKENS_PER_STEP / default
+    mix = matmul_mix_rate(cfg, rates)
     r["train_step"] = {
-        "tokens_per_s": tokens / steps["default"], "flops": flops,
+        "attention": auto[seq0], "tokens_per_s": TOKENS_PER_STEP / default, "flops": flops,
         "flops_counted_as": "6N per token + 6 L T D (causal attention), model.flops_per_token",
-        "mfu_vs_matmul_2048": flops / peak["matmul_2048_flops"],
-        "mfu_vs_best_projection": flops / peak["best_projection_flops"],
+        "matmul_2048_flops": rates["2048^3/forward"], "matmul_mix_flops": mix,
+        "mfu_vs_matmul_2048": flops / rates["2048^3/forward"], "mfu_vs_matmul_mix": flops / mix,
         "compiles_after_first_step": 0,  # step_timer asserts it
         "device_to_host_transfers_in_step": 0}  # transfer_guard would have raised
+    r["targets"] = {
+        "seq_1024_over_seq_128": tps[f"auto@{SEQ_LENS[-1]}"] / tps[f"auto@{seq0}"],
+        "mfu_vs_matmul_mix": flops / mix}
+    ckpt_s = (steps["checkpoint"] - default) * args.steps_per_turn  # one save's cost
     r["overheads"] = {
-        "qk_norm": steps["qk_norm"] / steps["default"] - 1,
+        "qk_norm": steps["qk_norm"] / default - 1,
         "spike_machinery_vs_plain_adamw": steps["full_machinery"] / steps["plain_adamw"] - 1,
-        "per_layer_instrumentation": steps["default"] / steps["no_per_layer_metrics"] - 1,
-        "checkpoint_every_100_steps": ckpt / (100 * steps["default"]),
-        "checkpoint_save_s": ckpt}
-    r["overheads"]["scan_instead_of_unrolled"] = steps["scan_layers"] / steps["default"] - 1
+        "per_layer_instrumentation": default / steps["no_per_layer_metrics"] - 1,
+        f"checkpoint_every_{CHECKPOINT_EVERY}_steps": ckpt_s / (CHECKPOINT_EVERY * default),
+        "checkpoint_save_s": ckpt_s,
+        "scan_instead_of_unrolled": steps["scan_layers"] / default - 1}
+    other = (cpu_busy_seconds() - busy) - (own_cpu_seconds() - own)
+    r["other_processes_cpu_fraction"] = other / ((time.perf_counter() - wall) * os.cpu_count())
+
+    print("2/4 compiling for memory (seq " + ", ".join(map(str, MEMORY_SEQ_LENS)) + ")")
+    r["temp_memory_bytes"] = {f"{form}@{seq}": temp_memory(cfg, seq, form)
+                              for form in ("blockwise", "dense") for seq in MEMORY_SEQ_LENS}
+    mem = r["temp_memory_bytes"]
+    r["targets"]["blockwise_memory_growth_per_doubling"] = max(
+        mem[f"blockwise@{b}"] / mem[f"blockwise@{a}"]
+        for a, b in zip(MEMORY_SEQ_LENS, MEMORY_SEQ_LENS[1:]))
+    print("3/4 compile times: 4 and 24 layers, scan and unrolled")
     r["compile_s"] = {f"layers_{n}_{'scan' if scan else 'unrolled'}": compile_seconds(
         dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=n,
                                                            scan_layers=scan)))
         for n in (4, 24) for scan in (True, False)}
+    print("4/4 warm-start conversion")
     r["warmstart"] = bench_warmstart(cfg)
-    t, o, c, w = r["train_step"], r["overheads"], r["compile_s"], r["warmstart"]
-    print(f"\ntrain step (preset cpu): {t['tokens_per_s']:,.0f} tokens/s, "
-          f"{t['flops'] / 1e9:.0f} GFLOP/s = {t['mfu_vs_best_projection']:.0%} of the best "
-          f"projection matmul, {t['mfu_vs_matmul_2048']:.0%} of the 2048^3 matmul; no "
-          "recompilation and no host transfer in the step")
-    print(f"overheads: QK-Norm {o['qk_norm']:+.1%}, spike machinery vs plain AdamW+clip "
-          f"{o['spike_machinery_vs_plain_adamw']:+.1%}, per-layer instrumentation "
-          f"{o['per_layer_instrumentation']:+.1%}, checkpoint every 100 steps "
-          f"{o['checkpoint_every_100_steps']:+.1%} ({o['checkpoint_save_s']:.2f} s a save)")
-    print(f"layers as a scan loop instead of unrolled: {o['scan_instead_of_unrolled']:+.1%} "
-          "step time; compile " + ", ".join(f"{k} {v:.1f} s" for k, v in c.items()))
-    print(f"warm-start conversion vs restore+save: {w['convert_s']:.2f} s vs "
-          f"{w['restore_save_s']:.2f} s ({w['convert_over_restore_save']:.2f}x); the whole "
-          f"command with its held-out loss report: {w['warmstart_command_s']:.2f} s")
+    report(r)
     out = pathlib.Path("bench/results.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(r, indent=2) + "\n")
     print(f"wrote {out}")
+
+
+def report(r: dict) -> None:
+    t, o, c, w, g = r["train_step"], r["overheads"], r["compile_s"], r["warmstart"], r["targets"]
+    tps, mem = r["tokens_per_s"], r["temp_memory_bytes"]
+    print(f"\ntokens/s, {r['tokens_per_step']:,} tokens per step (preset cpu's model):")
+    print(f"{'seq':>6} " + "".join(f"{f:>11}" for f in ("dense", "grouped", "blockwise", "auto")))
+    for seq in SEQ_LENS:
+        print(f"{seq:>6} " + "".join(f"{tps[f'{f}@{seq}']:>11,.0f}"
+                                     for f in ("dense", "grouped", "blockwise", "auto")))
+    print(f"seq {SEQ_LENS[-1]} / seq {SEQ_LENS[0]} (auto): {g['seq_1024_over_seq_128']:.2f}x "
+          "(target >= 0.65x)")
+    print(f"\ntrain step at seq {SEQ_LENS[0]} ({t['attention']} attention): "
+          f"{t['tokens_per_s']:,.0f} tokens/s, {t['flops'] / 1e9:.0f} GFLOP/s = "
+          f"{t['mfu_vs_matmul_mix']:.0%} of its own matmul mix ({t['matmul_mix_flops'] / 1e9:.0f}"
+          f" GFLOP/s; target >= 70%), {t['mfu_vs_matmul_2048']:.0%} of the 2048^3 matmul "
+          f"({t['matmul_2048_flops'] / 1e9:.0f} GFLOP/s); no recompilation, no host transfer")
+    print(f"overheads: QK-Norm {o['qk_norm']:+.1%}, spike machinery vs plain AdamW+clip "
+          f"{o['spike_machinery_vs_plain_adamw']:+.1%}, per-layer instrumentation "
+          f"{o['per_layer_instrumentation']:+.1%}, checkpoint every {CHECKPOINT_EVERY} steps "
+          f"{o[f'checkpoint_every_{CHECKPOINT_EVERY}_steps']:+.1%} "
+          f"({o['checkpoint_save_s']:.2f} s a save), layers as a scan loop instead of "
+          f"unrolled {o['scan_instead_of_unrolled']:+.1%}")
+    print("temporary memory of the compiled step, batch 1: " + ", ".join(
+        f"seq {seq} blockwise {mem[f'blockwise@{seq}'] / 2**20:.0f} MiB / dense "
+        f"{mem[f'dense@{seq}'] / 2**20:.0f} MiB" for seq in MEMORY_SEQ_LENS)
+        + f"; blockwise grows {g['blockwise_memory_growth_per_doubling']:.2f}x per doubling "
+        "(target <= 2.3x)")
+    print("compile: " + ", ".join(f"{k} {v:.1f} s" for k, v in c.items()))
+    print(f"warm-start conversion vs restore+save: {w['convert_s']:.2f} s vs "
+          f"{w['restore_save_s']:.2f} s ({w['convert_over_restore_save']:.2f}x); the whole "
+          f"command with its held-out loss report: {w['warmstart_command_s']:.2f} s")
+    busy = r["other_processes_cpu_fraction"]
+    if busy > 0.05:
+        print(f"WARNING: other processes used {busy:.0%} of the CPU while the steps were "
+              "timed: these figures are not from an idle machine")
+    else:
+        print(f"other processes used {max(busy, 0):.1%} of the CPU while the steps were timed")
 
 
 def cpu_name() -> str:
