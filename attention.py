@@ -15,8 +15,9 @@ statistic is a metric and carries no gradient.
                recomputes each block's probabilities from the saved log-sum-exp instead of
                storing them: memory O(T * block) per layer
     cudnn      jax.nn.dot_product_attention(implementation="cudnn"): NVIDIA GPUs, bf16 / fp16
-    auto       cudnn on a GPU with a 16-bit dtype, grouped on CPU up to AUTO_GROUPED_MAX_T,
-               blockwise otherwise (TPU included; a Pallas kernel would serve TPU better)
+    auto       cudnn on a GPU with a 16-bit dtype, else blockwise (on this 2-core CPU it was the
+               fastest form at every length bench.py times, 128 to 1,024; on TPU a Pallas
+               kernel would serve better)
 
 grouped, blockwise and cudnn run per device under `jax.shard_map` (batch over "data", heads
 over "model"), so their loops see plain local arrays.
@@ -31,20 +32,15 @@ from jax import P
 
 Form = typing.Literal["auto", "dense", "grouped", "blockwise", "cudnn"]
 FORMS = typing.get_args(Form)
-AUTO_GROUPED_MAX_T = 128  # bench.py: grouped was faster at seq 128 on CPU, blockwise beyond
 _MASKED = -1e30
 
 
-def resolve(form: str, seq_len: int, dtype: str, backend: str | None = None) -> str:
-    """The form `auto` stands for on this platform and sequence length; other forms as given."""
+def resolve(form: str, dtype: str, backend: str | None = None) -> str:
+    """The form `auto` stands for on this platform; other forms as given."""
     if form != "auto":
         return form
     backend = backend or jax.default_backend()
-    if backend == "gpu" and dtype in ("bfloat16", "float16"):
-        return "cudnn"
-    if backend == "cpu" and seq_len <= AUTO_GROUPED_MAX_T:
-        return "grouped"
-    return "blockwise"
+    return "cudnn" if backend == "gpu" and dtype in ("bfloat16", "float16") else "blockwise"
 
 
 def check_platform(form: str, platform: str) -> None:

@@ -189,6 +189,8 @@ class Worker:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.proc.stdin.write(json.dumps(spec) + "\n")
         self.proc.stdin.flush()
+
+    def wait_ready(self):
         self.ready = self.read()
 
     def read(self):
@@ -234,7 +236,7 @@ def variant_specs(cfg, seq_lens) -> dict:
     specs = {f"{form}@{seq}": spec(at(seq, attention=form)) for seq in seq_lens
              for form in ("dense", "grouped", "blockwise")}
     seq = seq_lens[0]
-    base = at(seq, attention=A.resolve("auto", seq, cfg.model.dtype))
+    base = at(seq, attention=A.resolve("auto", cfg.model.dtype))
     specs.update({
         "qk_norm": spec(dataclasses.replace(base, model=dataclasses.replace(base.model,
                                                                               qk_norm=True))),
@@ -254,9 +256,14 @@ def run_rounds(cfg, seq_lens, rounds: int, steps_per_turn: int) -> dict:
         "2048^3/forward": (1, 2048, 2048, 2048), **projection_shapes(cfg)}}}
     specs.update(variant_specs(cfg, seq_lens))
     workers = {}
-    for i, (name, spec) in enumerate(specs.items()):
-        print(f"  starting {name} ({i + 1}/{len(specs)}): compile and one step", flush=True)
-        workers[name] = Worker(name, spec)
+    names = list(specs)
+    for i in range(0, len(names), 2):  # two at a time: a compile keeps about one core busy
+        print(f"  starting {', '.join(names[i:i + 2])} ({i + 1}/{len(names)}): compile and "
+              "one step", flush=True)
+        started = [Worker(name, specs[name]) for name in names[i:i + 2]]
+        for w in started:
+            w.wait_ready()
+            workers[w.name] = w
     times = {name: [] for name in workers}
     try:
         for r in range(rounds):
@@ -360,13 +367,14 @@ def main():
          "preset": "cpu", "tokens_per_step": TOKENS_PER_STEP, "rounds": args.rounds}
     if load > 0.5:
         print(f"note: load average {load:.1f} at the start: let other work finish first")
-    print(f"1/4 timing {4 * len(SEQ_LENS) + 6} processes in turns ({args.rounds} rounds)")
+    print(f"1/4 timing the step variants and the matmuls, each in its own process, in turns "
+          f"({args.rounds} rounds)")
     timed = run_rounds(cfg, SEQ_LENS, args.rounds, args.steps_per_turn)
     steps, rates = timed["step_s"], timed["matmul_flops"]
     r.update(timed)
 
     seq0 = SEQ_LENS[0]
-    auto = {seq: A.resolve("auto", seq, cfg.model.dtype) for seq in SEQ_LENS}
+    auto = {seq: A.resolve("auto", cfg.model.dtype) for seq in SEQ_LENS}
     r["tokens_per_s"] = {f"{form}@{seq}": TOKENS_PER_STEP / steps[f"{form}@{seq}"]
                          for seq in SEQ_LENS for form in ("dense", "grouped", "blockwise")}
     r["tokens_per_s"].update({f"auto@{seq}": r["tokens_per_s"][f"{auto[seq]}@{seq}"]

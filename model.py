@@ -257,7 +257,7 @@ def attention(x_BTD, p, cfg: ModelConfig):
         q_BTNH = rms_norm(q_BTNH, p["q_norm"], cfg.norm_eps)
         k_BTKH = rms_norm(k_BTKH, p["k_norm"], cfg.norm_eps)
     q_BTNH, k_BTKH = rope(q_BTNH, cfg.rope_theta), rope(k_BTKH, cfg.rope_theta)
-    form = A.resolve(cfg.attention, T, cfg.dtype)
+    form = A.resolve(cfg.attention, cfg.dtype)
     if form != "dense":
         out_BTNH, logit_max = A.attend(q_BTNH, k_BTKH, v_BTKH, form, cfg.attention_block)
         return dense(out_BTNH, p["wo"], P(None)), logit_max

@@ -149,9 +149,8 @@ def dry_run(cfg: TrainConfig) -> None:
     print(f"parameters          {n:,} ({n / 1e9:.2f}B)")
     print(f"FLOPs per token     {flops_per_token(cfg.model, cfg.data.seq_len):.3e} "
           "(6N + causal attention)")
-    form = resolve(cfg.model.attention, cfg.data.seq_len, cfg.model.dtype)
-    print(f"attention           {form} ({cfg.model.attention} on {jax.default_backend()}, "
-          f"seq {cfg.data.seq_len})")
+    form = resolve(cfg.model.attention, cfg.model.dtype)
+    print(f"attention           {form} ({cfg.model.attention} on {jax.default_backend()})")
     print(f"params + opt state  {total / 2**30:.2f} GiB total, {per_device / 2**30:.3f} GiB "
           f"per device on a {cfg.mesh.data}x{cfg.mesh.model} (data x model) mesh")
 
