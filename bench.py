@@ -113,12 +113,12 @@ def matmul_operands(kind, m, k, n):
 
 
 def projection_shapes(cfg) -> dict:
-    """name -> (matmuls per step, m, k, n): the projections as model.py computes them (q, k
-    and v in one matmul, gate and up in one), each a forward, an input and a weight gradient."""
+    """name -> (matmuls per step, m, k, n): the projections as model.py computes them, each
+    as a forward, an input-gradient and a weight-gradient matmul."""
     m, tokens = cfg.model, cfg.data.batch_size * cfg.data.seq_len
     H, L = m.head_dim, m.n_layers
-    proj = {"qkv": (L, m.d_model, (m.n_heads + 2 * m.n_kv_heads) * H),
-            "o": (L, m.n_heads * H, m.d_model), "gate_up": (L, m.d_model, 2 * m.d_ff),
+    proj = {"q": (L, m.d_model, m.n_heads * H), "k/v": (2 * L, m.d_model, m.n_kv_heads * H),
+            "o": (L, m.n_heads * H, m.d_model), "gate/up": (2 * L, m.d_model, m.d_ff),
             "down": (L, m.d_ff, m.d_model), "head": (1, m.d_model, m.vocab_size)}
     return {f"{name}/{kind}": (count, tokens, k, n) for name, (count, k, n) in proj.items()
             for kind in ("forward", "input_grad", "weight_grad")}
@@ -246,7 +246,10 @@ def variant_specs(cfg, seq_lens) -> dict:
         "plain_adamw": spec(base, plain_adamw=True),
         "scan_layers": spec(dataclasses.replace(base, model=dataclasses.replace(
             base.model, scan_layers=True))),
-        "checkpoint": spec(base, save=True)})
+        "checkpoint": spec(base, save=True),
+        # the default step once more, in a process started last like the variants above: how
+        # far two processes running the same step are apart (the floor under any overhead)
+        "default_again": spec(base)})
     return specs
 
 
@@ -353,7 +356,7 @@ def bench_warmstart(cfg, repeats=3):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=5, help="turns per variant (medians)")
+    parser.add_argument("--rounds", type=int, default=7, help="turns per variant (medians)")
     parser.add_argument("--steps-per-turn", type=int, default=3)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -400,7 +403,8 @@ def main():
         "per_layer_instrumentation": default / steps["no_per_layer_metrics"] - 1,
         f"checkpoint_every_{CHECKPOINT_EVERY}_steps": ckpt_s / (CHECKPOINT_EVERY * default),
         "checkpoint_save_s": ckpt_s,
-        "scan_instead_of_unrolled": steps["scan_layers"] / default - 1}
+        "scan_instead_of_unrolled": steps["scan_layers"] / default - 1,
+        "same_step_in_another_process": steps["default_again"] / default - 1}
     other = (cpu_busy_seconds() - busy) - (own_cpu_seconds() - own)
     r["other_processes_cpu_fraction"] = other / ((time.perf_counter() - wall) * os.cpu_count())
 
@@ -445,7 +449,9 @@ def report(r: dict) -> None:
           f"{o['per_layer_instrumentation']:+.1%}, checkpoint every {CHECKPOINT_EVERY} steps "
           f"{o[f'checkpoint_every_{CHECKPOINT_EVERY}_steps']:+.1%} "
           f"({o['checkpoint_save_s']:.2f} s a save), layers as a scan loop instead of "
-          f"unrolled {o['scan_instead_of_unrolled']:+.1%}")
+          f"unrolled {o['scan_instead_of_unrolled']:+.1%}; the same default step in another "
+          f"process {o['same_step_in_another_process']:+.1%} (differences smaller than this "
+          "are not measured)")
     print("temporary memory of the compiled step, batch 1: " + ", ".join(
         f"seq {seq} blockwise {mem[f'blockwise@{seq}'] / 2**20:.0f} MiB / dense "
         f"{mem[f'dense@{seq}'] / 2**20:.0f} MiB" for seq in MEMORY_SEQ_LENS)
