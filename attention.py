@@ -15,9 +15,9 @@ statistic is a metric and carries no gradient.
                recomputes each block's probabilities from the saved log-sum-exp instead of
                storing them: memory O(T * block) per layer
     cudnn      jax.nn.dot_product_attention(implementation="cudnn"): NVIDIA GPUs, bf16 / fp16
-    auto       cudnn on a GPU with a 16-bit dtype, else blockwise (on this 2-core CPU it was the
-               fastest form at every length bench.py times, 128 to 1,024; on TPU a Pallas
-               kernel would serve better)
+    auto       cudnn on a GPU with a 16-bit dtype, else blockwise (on a 2-core CPU the fastest
+               form from seq 256 on, and within noise of grouped at 128; on TPU a Pallas kernel
+               would serve better)
 
 grouped, blockwise and cudnn run per device under `jax.shard_map` (batch over "data", heads
 over "model"), so their loops see plain local arrays.
