@@ -124,10 +124,10 @@ def _blocks(q_BTNH, k_BTKH, v_BTKH, c):
     n = -(-T // c)
     pad = [(0, 0), (0, n * c - T), (0, 0), (0, 0)]
 
-    def split(x, heads, group):
+    def split(x, group):
         x = jnp.pad(x, pad).reshape(B, n, c, K, group, H)
         return x.transpose(1, 0, 3, 2, 4, 5).reshape(n, B, K, c * group, H)
-    return split(q_BTNH, N, N // K), split(k_BTKH, K, 1), split(v_BTKH, K, 1), n
+    return split(q_BTNH, N // K), split(k_BTKH, 1), split(v_BTKH, 1), n
 
 
 def _causal(q_start, k_start, shape, G):

@@ -26,7 +26,9 @@ own matmul shapes (forward projections, input gradients, weight gradients over t
 """
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import pathlib
@@ -346,8 +348,9 @@ def bench_warmstart(cfg, repeats=3):
                 W.convert_checkpoint(tmp / "src", 100, src, qk, mesh, tmp / f"surgery{i}")
                 convert.append(time.perf_counter() - t)
             t = time.perf_counter()  # the whole command: + data, held-out losses, report
-            W.convert(W.WarmStartArgs(source=str(tmp / "src"), to=str(tmp / f"new{i}"),
-                                      no_train=True), [])
+            with contextlib.redirect_stdout(io.StringIO()):  # its report, not bench's
+                W.convert(W.WarmStartArgs(source=str(tmp / "src"), to=str(tmp / f"new{i}"),
+                                          no_train=True), [])
             command.append(time.perf_counter() - t)
     p, c = statistics.median(plain), statistics.median(convert)
     return {"restore_save_s": p, "convert_s": c, "convert_over_restore_save": c / p,
