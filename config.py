@@ -16,7 +16,7 @@ import typing
 
 import numpy as np
 
-from checkpoint import read_config
+from checkpoint import read_config, saved_steps
 from cli import UserError
 from data import DataConfig
 from distributed import DistConfig, MeshConfig
@@ -176,6 +176,21 @@ def load_config(run_dir: pathlib.Path) -> TrainConfig | None:
     except (ValueError, TypeError, AttributeError) as e:
         raise UserError(f"{run_dir}/config.json is not a spikefix config ({e})") from None
 
+
+def load_checkpointed(run_dir: pathlib.Path, step: int | None, flag: str = "",
+                      purpose: str = "") -> tuple[TrainConfig, int]:
+    """(config, step) of a train.py run directory's checkpoint: `step`, or the latest. A
+    UserError if it has no config or no such checkpoint; `flag` ("--from ") and `purpose`
+    (" to sample from") name what the command wanted in the message."""
+    cfg = load_config(run_dir)
+    if cfg is None:
+        raise UserError(f"{flag}{run_dir}: no config.json there; give a train.py run directory")
+    steps = saved_steps(run_dir)
+    if not steps:
+        raise UserError(f"{flag}{run_dir} has no checkpoint{purpose}: train it first")
+    if step is not None and step not in steps:
+        raise UserError(f"{flag}{run_dir} has no checkpoint at step {step}; it has {steps}")
+    return cfg, steps[-1] if step is None else step
 
 def check_same_run(stored: TrainConfig, cfg: TrainConfig, taken: int = 0) -> None:
     """A run directory holds one run: its config must agree with the flags, but for RESUMABLE.

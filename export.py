@@ -22,9 +22,9 @@ import jax
 import numpy as np
 import tyro
 
-from checkpoint import abstract_state, checkpoint_manager, restore_checkpoint, saved_steps
+from checkpoint import abstract_state, checkpoint_manager, restore_checkpoint
 from cli import UserError, command, parse
-from config import load_config
+from config import load_checkpointed
 from data import TokenData
 from distributed import MeshConfig, make_mesh
 from model import ModelConfig, decay_mask, forward, param_table
@@ -187,18 +187,10 @@ def check_with_transformers(folder: pathlib.Path, cfg, params: dict) -> float:
 
 def export(args: ExportArgs) -> pathlib.Path:
     run, out = pathlib.Path(args.run), pathlib.Path(args.to)
-    cfg = load_config(run)
-    if cfg is None:
-        raise UserError(f"{run}: no config.json there; give a train.py run directory")
-    steps = saved_steps(run)
-    if not steps:
-        raise UserError(f"{run} has no checkpoint: train it first")
-    if args.step is not None and args.step not in steps:
-        raise UserError(f"{run} has no checkpoint at step {args.step}; it has {steps}")
+    cfg, step = load_checkpointed(run, args.step)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--to {out} exists and is not empty: choose a new folder")
     from safetensors.numpy import save_file
-    step = args.step if args.step is not None else steps[-1]
     params = restore_params(run, step, cfg)
     tensors = to_hf(params, cfg.model)
     partial = out.with_name(out.name + ".partial")  # renamed into place once complete

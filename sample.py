@@ -22,9 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 
-from checkpoint import saved_steps
 from cli import UserError, command, parse
-from config import TrainConfig, load_config
+from config import TrainConfig, load_checkpointed
 from export import restore_params
 from model import ModelConfig, forward_cached, init_cache
 
@@ -96,14 +95,7 @@ def generate(params: dict, cfg: ModelConfig, prompt: list[int], args: SampleArgs
 
 def sample(args: SampleArgs) -> str:
     run = pathlib.Path(args.run)
-    cfg = load_config(run)
-    if cfg is None:
-        raise UserError(f"{run}: no config.json there; give a train.py run directory")
-    steps = saved_steps(run)
-    if not steps:
-        raise UserError(f"{run} has no checkpoint to sample from: train it first")
-    if args.step is not None and args.step not in steps:
-        raise UserError(f"{run} has no checkpoint at step {args.step}; it has {steps}")
+    cfg, step = load_checkpointed(run, args.step, purpose=" to sample from")
     encode, decode = codec(cfg)
     prompt = encode(args.prompt)
     if not prompt or len(prompt) > cfg.data.seq_len:
@@ -112,7 +104,6 @@ def sample(args: SampleArgs) -> str:
     if max(prompt) >= cfg.model.vocab_size:
         raise UserError(f"the prompt holds token {max(prompt)}, outside the model's vocab of "
                         f"{cfg.model.vocab_size}")
-    step = args.step if args.step is not None else steps[-1]
     params = restore_params(run, step, cfg)
     ids, seconds = generate(params, cfg.model, prompt, args)
     total = len(prompt) + len(ids)

@@ -29,7 +29,7 @@ import tyro
 import checkpoint
 import train
 from cli import UserError, command, parse
-from config import TrainConfig, check_same_run, load_config
+from config import TrainConfig, check_same_run, load_checkpointed, load_config
 from optim import lr_schedule
 
 
@@ -115,18 +115,11 @@ def init_new_leaves(cfg: TrainConfig, tx, target):
 
 def load_source(run: pathlib.Path, step: int | None) -> tuple[TrainConfig, int]:
     """(config, step) of a source run directory's checkpoint (default: the latest)."""
-    cfg = load_config(run)
-    if cfg is None:
-        raise UserError(f"--from {run}: no config.json there; give a train.py run directory")
-    if cfg.model.qk_norm:
+    stored = load_config(run)
+    if stored is not None and stored.model.qk_norm:  # said first: no checkpoint would help
         raise UserError(f"--from {run} already has QK-Norm (model.qk_norm is true): nothing to "
                         "insert; resume it with train.py instead")
-    steps = checkpoint.saved_steps(run)
-    if not steps:
-        raise UserError(f"--from {run} has no checkpoint: train it first")
-    if step is not None and step not in steps:
-        raise UserError(f"--from {run} has no checkpoint at step {step}; it has {steps}")
-    return cfg, step if step is not None else steps[-1]
+    return load_checkpointed(run, step, flag="--from ")
 
 
 def convert_checkpoint(src_run: pathlib.Path, step: int, src_cfg: TrainConfig,
