@@ -13,6 +13,7 @@ Parameters are float32; `dtype` sets the compute dtype.
 Shardings come from the logical axes in PARAMS and the one small table LOGICAL_TO_MESH.
 """
 
+import contextlib
 import dataclasses
 import math
 
@@ -214,9 +215,14 @@ def rms_norm(x, scale, eps):
 def rope(x_BTNH, theta: float, offset=0):
     """Rotary position embedding, rotate-half layout (Llama); positions offset..offset+T-1."""
     T, H = x_BTNH.shape[1], x_BTNH.shape[-1]
-    freq_H2 = theta ** (-jnp.arange(0, H, 2, dtype=jnp.float32) / H)
-    angle_TH2 = (offset + jnp.arange(T, dtype=jnp.float32))[:, None] * freq_H2[None, :]
-    cos, sin = jnp.cos(angle_TH2)[None, :, None, :], jnp.sin(angle_TH2)[None, :, None, :]
+    # Positions known when tracing: the tables become constants. Computed in the graph, XLA:CPU
+    # fused cos and sin into the rotation and evaluated them once per element of x, 13x the
+    # rotation's own time. Same values either way (XLA's cos and sin, run once here).
+    static = isinstance(offset, int)
+    with jax.ensure_compile_time_eval() if static else contextlib.nullcontext():
+        freq_H2 = theta ** (-jnp.arange(0, H, 2, dtype=jnp.float32) / H)
+        angle_TH2 = (offset + jnp.arange(T, dtype=jnp.float32))[:, None] * freq_H2[None, :]
+        cos, sin = jnp.cos(angle_TH2)[None, :, None, :], jnp.sin(angle_TH2)[None, :, None, :]
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BTNH.dtype)
