@@ -13,7 +13,8 @@ statistic is a metric and carries no gradient.
     blockwise  FlashAttention (Dao et al. 2205.14135) in JAX: online softmax over key blocks,
                blocks above the diagonal never computed, and a custom_vjp whose backward pass
                recomputes each block's probabilities from the saved log-sum-exp instead of
-               storing them: memory O(T * block) per layer
+               storing them: memory O(T * block) per layer (a sequence of one block, T <=
+               block, runs without loops and keeps its probabilities instead)
     cudnn      jax.nn.dot_product_attention(implementation="cudnn"): NVIDIA GPUs, bf16 / fp16
     auto       cudnn on a GPU with a 16-bit dtype, else blockwise (on a 2-core CPU the fastest
                form from seq 256 on, and within noise of grouped at 128; on TPU a Pallas kernel
@@ -142,7 +143,7 @@ def blockwise(q_BTNH, k_BTKH, v_BTKH, block: int):
     c = min(block, T)
     q_BTNH = q_BTNH * jnp.asarray(1 / math.sqrt(H), q_BTNH.dtype)
     q, k, v, n = _blocks(q_BTNH, k_BTKH, v_BTKH, c)
-    out_nBKRH, logit_max = _flash(q, k, v)
+    out_nBKRH, logit_max = _flash(q, k, v) if n > 1 else _one_block(q, k, v)
     K = k.shape[2]
     out_BncKGH = out_nBKRH.reshape(n, B, K, c, N // K, H).transpose(1, 0, 3, 2, 4, 5)
     return out_BncKGH.reshape(B, n * c, N, H)[:, :T], logit_max
@@ -154,22 +155,66 @@ def _flash(q, k, v):
     return out, logit_max
 
 
-def _flash_forward(q, k, v):
-    G = q.shape[3] // k.shape[3]  # query heads per KV head
-    diagonal_RS = _causal(0, 0, (q.shape[3], k.shape[3]), G)  # the only blocks that need a mask
+def _scores(q_BKRH, k_BKSH, on_diagonal: bool):
+    """A block's scores (masked on the diagonal, the only blocks that need a mask) and their
+    max |logit| over the causal entries."""
+    s_BKRS = jnp.einsum("bkrh,bksh->bkrs", q_BKRH, k_BKSH, preferred_element_type=jnp.float32)
+    if not on_diagonal:
+        return s_BKRS, jnp.max(jnp.abs(s_BKRS))
+    causal_RS = _causal(0, 0, s_BKRS.shape[-2:], q_BKRH.shape[2] // s_BKRS.shape[-1])
+    return (jnp.where(causal_RS, s_BKRS, _MASKED),
+            jnp.max(jnp.where(causal_RS, jnp.abs(s_BKRS), 0.0)))
 
+
+def _block_grads(q_BKRH, k_BKSH, v_BKSH, p_BKRS, d_out_BKRH, delta_BKR):
+    """One (query block, key block) pair's share of dq, dk and dv, from its probabilities:
+    dv = p^T do, ds = p * (do v^T - rowsum(do * out)), dq = ds k, dk = ds^T q."""
+    f32 = dict(preferred_element_type=jnp.float32)
+    dv_BKSH = jnp.einsum("bkrs,bkrh->bksh", p_BKRS.astype(v_BKSH.dtype), d_out_BKRH, **f32)
+    dp_BKRS = jnp.einsum("bkrh,bksh->bkrs", d_out_BKRH, v_BKSH, **f32)
+    ds_BKRS = (p_BKRS * (dp_BKRS - delta_BKR[..., None])).astype(q_BKRH.dtype)
+    dq_BKRH = jnp.einsum("bkrs,bksh->bkrh", ds_BKRS, k_BKSH, **f32)
+    dk_BKSH = jnp.einsum("bkrs,bkrh->bksh", ds_BKRS, q_BKRH, **f32)
+    return dq_BKRH, dk_BKSH, dv_BKSH
+
+
+def _rowsum_d_out_out(d_out, out):
+    return jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+
+
+@jax.custom_vjp
+def _one_block(q, k, v):
+    """T <= block: one block, on the diagonal. No loops, and its probabilities (O(T * block),
+    like every block here) are kept for the backward pass instead of recomputed."""
+    return _one_block_fwd(q, k, v)[0]
+
+
+def _one_block_fwd(q, k, v):
+    s_BKRS, top = _scores(q[0], k[0], on_diagonal=True)
+    p_BKRS = jax.nn.softmax(s_BKRS, axis=-1)
+    out = jnp.einsum("bkrs,bksh->bkrh", p_BKRS.astype(v.dtype), v[0],
+                     preferred_element_type=jnp.float32).astype(q.dtype)[None]
+    return (out, top), (q, k, v, out, p_BKRS)
+
+
+def _one_block_bwd(residuals, cotangents):
+    q, k, v, out, p_BKRS = residuals
+    d_out = cotangents[0]  # the statistic's cotangent is dropped: it carries no gradient
+    grads = _block_grads(q[0], k[0], v[0], p_BKRS, d_out[0], _rowsum_d_out_out(d_out, out)[0])
+    return tuple(g[None].astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+
+
+_one_block.defvjp(_one_block_fwd, _one_block_bwd)
+
+
+def _flash_forward(q, k, v):
     def query_block(i):
         q_BKRH = q[i]
 
         def key_block(j, carry, on_diagonal=False):
             m_BKR, l_BKR, acc_BKRH, top = carry
-            s_BKRS = jnp.einsum("bkrh,bksh->bkrs", q_BKRH, k[j],
-                                preferred_element_type=jnp.float32)
-            if on_diagonal:
-                top = jnp.maximum(top, jnp.max(jnp.where(diagonal_RS, jnp.abs(s_BKRS), 0.0)))
-                s_BKRS = jnp.where(diagonal_RS, s_BKRS, _MASKED)
-            else:
-                top = jnp.maximum(top, jnp.max(jnp.abs(s_BKRS)))
+            s_BKRS, block_top = _scores(q_BKRH, k[j], on_diagonal)
+            top = jnp.maximum(top, block_top)
             m_new = jnp.maximum(m_BKR, jnp.max(s_BKRS, axis=-1))
             p_BKRS = jnp.exp(s_BKRS - m_new[..., None])
             rescale = jnp.exp(m_BKR - m_new)
@@ -195,27 +240,19 @@ def _flash_fwd(q, k, v):
 
 
 def _flash_bwd(residuals, cotangents):
-    """Per key block j, over the query blocks i >= j: recompute p = exp(s - lse), then
-    dv += p^T do, ds = p * (do v^T - rowsum(do * out)), dq += ds k, dk += ds^T q."""
+    """Per key block j, over the query blocks i >= j: recompute p = exp(s - lse), then add
+    the pair's share of dq, dk and dv."""
     q, k, v, out, lse = residuals
     d_out = cotangents[0]  # the statistic's cotangent is dropped: it carries no gradient
-    diagonal_RS = _causal(0, 0, (q.shape[3], k.shape[3]), q.shape[3] // k.shape[3])
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    f32 = dict(preferred_element_type=jnp.float32)
+    delta = _rowsum_d_out_out(d_out, out)
 
     def key_block(dq, j):
         def query_block(i, carry, on_diagonal=False):
             dq, dk_BKSH, dv_BKSH = carry
-            s_BKRS = jnp.einsum("bkrh,bksh->bkrs", q[i], k[j], **f32)
-            if on_diagonal:
-                s_BKRS = jnp.where(diagonal_RS, s_BKRS, _MASKED)
+            s_BKRS, _ = _scores(q[i], k[j], on_diagonal)
             p_BKRS = jnp.exp(s_BKRS - lse[i][..., None])
-            dv_BKSH += jnp.einsum("bkrs,bkrh->bksh", p_BKRS.astype(v.dtype), d_out[i], **f32)
-            dp_BKRS = jnp.einsum("bkrh,bksh->bkrs", d_out[i], v[j], **f32)
-            ds_BKRS = (p_BKRS * (dp_BKRS - delta[i][..., None])).astype(q.dtype)
-            dq = dq.at[i].add(jnp.einsum("bkrs,bksh->bkrh", ds_BKRS, k[j], **f32))
-            dk_BKSH += jnp.einsum("bkrs,bkrh->bksh", ds_BKRS, q[i], **f32)
-            return dq, dk_BKSH, dv_BKSH
+            dq_i, dk_j, dv_j = _block_grads(q[i], k[j], v[j], p_BKRS, d_out[i], delta[i])
+            return dq.at[i].add(dq_i), dk_BKSH + dk_j, dv_BKSH + dv_j
 
         zeros = jnp.zeros(k.shape[1:], jnp.float32)
         carry = query_block(j, (dq, zeros, zeros), on_diagonal=True)

@@ -191,17 +191,20 @@ def loss_logit_max_grads(model_cfg, mesh_shape):
             [np.asarray(g) for g in jax.tree.leaves(grads)])
 
 
-@pytest.mark.parametrize("form,mesh_shape,qk_norm", [
-    ("grouped", (1, 1), True), ("blockwise", (1, 1), True),
-    ("grouped", (2, 2), False), ("blockwise", (2, 2), False)])
+@pytest.mark.parametrize("form,mesh_shape,qk_norm,block", [
+    ("grouped", (1, 1), True, 16), ("blockwise", (1, 1), True, 16),
+    ("grouped", (2, 2), False, 16), ("blockwise", (2, 2), False, 16),
+    ("blockwise", (2, 2), True, 64)])
 def test_every_attention_form_equals_dense_in_loss_logit_max_and_gradients(form, mesh_shape,
-                                                                           qk_norm):
+                                                                           qk_norm, block):
     """Grouped-query attention (4 query heads on 2 KV heads), T = 40 in blocks of 16 (the last
-    one padded), init_std 0.2 so that the logits are large without QK-Norm (max ~10); on one
-    device and on a 2x2 mesh (batch and heads split)."""
+    one padded) or in one block of 64 (blockwise's loop-free path), init_std 0.2 so that the
+    logits are large without QK-Norm (max ~10); on one device and on a 2x2 mesh (batch and
+    heads split)."""
     cfg = dataclasses.replace(TINY.model, qk_norm=qk_norm, init_std=0.2, attention_block=16)
     ref = loss_logit_max_grads(dataclasses.replace(cfg, attention="dense"), mesh_shape)
-    got = loss_logit_max_grads(dataclasses.replace(cfg, attention=form), mesh_shape)
+    got = loss_logit_max_grads(dataclasses.replace(cfg, attention=form, attention_block=block),
+                               mesh_shape)
     assert got[0] == pytest.approx(ref[0], rel=1e-6)
     np.testing.assert_allclose(got[1], ref[1], rtol=1e-5)
     assert len(got[2]) == len(ref[2])
