@@ -192,6 +192,7 @@ def load_checkpointed(run_dir: pathlib.Path, step: int | None, flag: str = "",
         raise UserError(f"{flag}{run_dir} has no checkpoint at step {step}; it has {steps}")
     return cfg, steps[-1] if step is None else step
 
+
 def check_same_run(stored: TrainConfig, cfg: TrainConfig, taken: int = 0) -> None:
     """A run directory holds one run: its config must agree with the flags, but for RESUMABLE.
     `--steps` may change too where that changes no step already taken (`taken` of them): the

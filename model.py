@@ -216,8 +216,8 @@ def rope(x_BTNH, theta: float, offset=0):
     """Rotary position embedding, rotate-half layout (Llama); positions offset..offset+T-1."""
     T, H = x_BTNH.shape[1], x_BTNH.shape[-1]
     # Positions known when tracing: the tables become constants. Computed in the graph, XLA:CPU
-    # fused cos and sin into the rotation and evaluated them once per element of x, 13x the
-    # rotation's own time. Same values either way (XLA's cos and sin, run once here).
+    # fused cos and sin into the rotation and evaluated them once per element of x (preset
+    # cpu: ~40 ms of a ~850 ms step, ~6 ms as constants). The same values either way.
     static = isinstance(offset, int)
     with jax.ensure_compile_time_eval() if static else contextlib.nullcontext():
         freq_H2 = theta ** (-jnp.arange(0, H, 2, dtype=jnp.float32) / H)
