@@ -17,7 +17,7 @@ statistic is a metric and carries no gradient.
                block, runs without loops and keeps its probabilities instead)
     cudnn      jax.nn.dot_product_attention(implementation="cudnn"): NVIDIA GPUs, bf16 / fp16
     auto       cudnn on a GPU with a 16-bit dtype, else blockwise (on a 2-core CPU the fastest
-               form from seq 256 on, and within noise of grouped at 128; on TPU a Pallas kernel
+               form at seq 128 to 1,024 in the last two benchmark runs; on TPU a Pallas kernel
                would serve better)
 
 grouped, blockwise and cudnn run per device under `jax.shard_map` (batch over "data", heads
