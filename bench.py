@@ -81,31 +81,6 @@ def count_compile(event: str, duration_secs: float, **kwargs):
         COMPILES.append(event)
 
 
-def step_timer(cfg, tx, mesh, tokens):
-    """A function that times n steps (seconds per step), after one compiling step."""
-    target = C.abstract_state(cfg.model, tx, mesh)
-    state = C.fresh_state(cfg.model, cfg.seed, tx, target)
-    step = T.make_train_step(cfg, tx)
-    state, m = step(state, tokens)
-    jax.block_until_ready(m)
-    box = {"state": state}
-
-    def run(n):
-        s = box["state"]
-        seen = len(COMPILES)
-        t = time.perf_counter()
-        with jax.transfer_guard("disallow"):  # raises on any implicit host<->device transfer
-            for _ in range(n):
-                s, m = step(s, tokens)
-            jax.block_until_ready(m)
-        box["state"] = s
-        elapsed = time.perf_counter() - t
-        assert len(COMPILES) == seen, "the train step recompiled after its first call"
-        return elapsed / n
-    run.state = lambda: box["state"]
-    return run
-
-
 def matmul_fn(kind: str):
     """The three shapes a projection's matmul takes in a train step, as XLA sees them."""
     return {"forward": lambda x, w: x @ w,  # [m, k] x [k, n]
@@ -183,9 +158,9 @@ def worker() -> None:
 
 
 def variant_timer(spec: dict, tmp: pathlib.Path):
-    """run(n) -> seconds per step of spec's variant: its own state and compiled step; with
-    "save", one async orbax save before the n steps (its blocking part and what the writer
-    thread takes from those steps)."""
+    """run(n) -> seconds per step over n steps of spec's variant, after one compiling step: its
+    own state and compiled step; with "save", one async orbax save before the n steps (its
+    blocking part and what the writer thread takes from those steps)."""
     cfg = config_from_dict(spec["config"])
     mesh = make_mesh(cfg.mesh)
     with jax.set_mesh(mesh):
@@ -195,20 +170,29 @@ def variant_timer(spec: dict, tmp: pathlib.Path):
         tx = plain_adamw(cfg.optim, cfg.steps, M.decay_mask(cfg.model)) if spec["plain_adamw"] \
             else T.make_tx(cfg)
         t = time.perf_counter()
-        timer = step_timer(cfg, tx, mesh, tokens)
+        state = C.fresh_state(cfg.model, cfg.seed, tx, C.abstract_state(cfg.model, tx, mesh))
+        step = T.make_train_step(cfg, tx)
+        state, m = step(state, tokens)
+        jax.block_until_ready(m)
         first_step_s = time.perf_counter() - t
     mngr = C.checkpoint_manager(tmp, 2) if spec["save"] else None
     saves = itertools.count()
 
     def run(n):
+        nonlocal state
+        seen = len(COMPILES)
         with jax.set_mesh(mesh):
-            if mngr is None:
-                return timer(n)
             t = time.perf_counter()
-            C.save_checkpoint(mngr, next(saves), timer.state(), spec["config"])
-            timer(n)
+            if mngr is not None:
+                C.save_checkpoint(mngr, next(saves), state, spec["config"])
+            with jax.transfer_guard("disallow"):  # raises on any implicit host<->device transfer
+                for _ in range(n):
+                    state, m = step(state, tokens)
+                jax.block_until_ready(m)
             elapsed = (time.perf_counter() - t) / n
-            mngr.wait_until_finished()
+            if mngr is not None:
+                mngr.wait_until_finished()
+        assert len(COMPILES) == seen, "the train step recompiled after its first call"
         return elapsed
     run.first_step_s = first_step_s
     return run
@@ -435,7 +419,7 @@ def main():
         "flops_counted_as": "6N per token + 6 L T D (causal attention), model.flops_per_token",
         "matmul_2048_flops": rates["2048^3/forward"], "matmul_mix_flops": mix,
         "mfu_vs_matmul_2048": flops / rates["2048^3/forward"], "mfu_vs_matmul_mix": flops / mix,
-        "compiles_after_first_step": 0,  # step_timer asserts it
+        "compiles_after_first_step": 0,  # variant_timer asserts it
         "device_to_host_transfers_in_step": 0}  # transfer_guard would have raised
     r["targets"] = {
         "seq_1024_over_seq_128": tps[f"auto@{SEQ_LENS[-1]}"] / tps[f"auto@{seq0}"],
