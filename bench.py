@@ -2,6 +2,8 @@
 
     python bench.py                  # ~18 minutes on 2 idle cores; writes bench/results.json
     python bench.py --rounds 3       # quicker, noisier
+    python bench.py --accelerator    # one GPU: a 0.9B model at seq 4,096 in bfloat16 (~2 min);
+                                     # writes bench/results-gpu.json
 
 Run it alone: other processes on the CPU moved these figures by 11-40%. bench.py measures how
 much CPU time other processes took during the run (/proc/stat) and warns when it was more than
@@ -27,6 +29,10 @@ paired with itself shows how close two identical steps come in one process.
 4. Memory: the compiled step's temporary buffers at seq 1,024 / 2,048 / 4,096 (batch 1), blockwise
    vs dense attention (XLA's memory_analysis; nothing is run).
 5. Compile time of the train step at 4 and 24 layers, scan vs unrolled; warmstart.py's conversion.
+
+--accelerator, on one GPU: every attention form against dense float32 on that device; the bf16
+8192^3 matmul and the step's own matmul shapes on random operands; the step with cudnn, blockwise
+and cudnn + QK-Norm attention, one after the other in one process.
 """
 
 import argparse
@@ -52,8 +58,9 @@ import optax
 
 import attention as A
 import checkpoint as C
-from config import PRESETS, config_from_dict
-from distributed import make_mesh
+from config import PRESETS, TrainConfig, config_from_dict
+from data import DataConfig
+from distributed import MeshConfig, make_mesh
 import model as M
 import optim as O
 import train as T
@@ -88,10 +95,14 @@ def matmul_fn(kind: str):
             "weight_grad": lambda x, dy: x.T @ dy}[kind]  # [m, k]^T x [m, n], over the tokens
 
 
-def matmul_operands(kind, m, k, n):
+def matmul_operands(kind, m, k, n, dtype=jnp.float32, key=None):
+    """Constant operands, or normal random ones given a key (a GPU multiplies constants faster
+    than data, so its rates are measured on random operands)."""
     shapes = {"forward": ((m, k), (k, n)), "input_grad": ((m, n), (k, n)),
               "weight_grad": ((m, k), (m, n))}[kind]
-    return [jnp.full(s, 0.5, jnp.float32) for s in shapes]
+    if key is None:
+        return [jnp.full(s, 0.5, dtype) for s in shapes]
+    return [jax.random.normal(jax.random.fold_in(key, i), s, dtype) for i, s in enumerate(shapes)]
 
 
 def projection_shapes(cfg) -> dict:
@@ -106,11 +117,17 @@ def projection_shapes(cfg) -> dict:
             for kind in ("forward", "input_grad", "weight_grad")}
 
 
-def time_matmuls(fns, budget_s=0.15) -> dict:
-    """FLOP/s of each (f, operands, flops), timed for about budget_s each."""
+def time_matmuls(fns, budget_s=0.15, rate_guess: float | None = 150e9) -> dict:
+    """FLOP/s of each (f, operands, flops), timed for about budget_s each (the repetitions
+    from rate_guess, or from one timed call)."""
     rates = {}
     for name, (f, args, flops) in fns.items():
-        reps = max(1, int(budget_s * 150e9 / flops))
+        if rate_guess is None:
+            t = time.perf_counter()
+            f(*args).block_until_ready()
+            reps = max(3, int(budget_s / (time.perf_counter() - t)))
+        else:
+            reps = max(1, int(budget_s * rate_guess / flops))
         t = time.perf_counter()
         for _ in range(reps):
             out = f(*args)
@@ -387,9 +404,15 @@ def main():
     parser.add_argument("--rounds", type=int, default=7, help="turns per variant (medians)")
     parser.add_argument("--steps-per-turn", type=int, default=3)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--accelerator", action="store_true",
+                        help="one GPU instead: a 0.9B model at seq 4,096 in bfloat16")
+    parser.add_argument("--out", help="results file (default bench/results.json, "
+                        "bench/results-gpu.json with --accelerator)")
     args = parser.parse_args()
     if args.worker:
         return worker()
+    if args.accelerator:
+        return accelerator_main(args)
     cfg = PRESETS["cpu"]
     load = os.getloadavg()[0]
     wall, busy, own = time.perf_counter(), cpu_busy_seconds(), own_cpu_seconds()
@@ -455,8 +478,8 @@ def main():
     print("4/4 warm-start conversion")
     r["warmstart"] = bench_warmstart(cfg)
     report(r)
-    out = pathlib.Path("bench/results.json")
-    out.parent.mkdir(exist_ok=True)
+    out = pathlib.Path(args.out or "bench/results.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(r, indent=2) + "\n")
     print(f"wrote {out}")
 
@@ -502,6 +525,165 @@ def report(r: dict) -> None:
         print(f"other processes used {max(busy, 0):.1%} of the CPU while the steps were timed")
 
 
+# ---------------------------------------------------------------------------------------------
+# bench.py --accelerator: one GPU chip, in the 16-bit compute dtype it trains in
+
+# ~0.9B parameters at Marin's sequence length: 16,384 tokens a step, batch 4 x seq 4,096. The
+# vocabulary is a BPE-sized 32,768 (the tokens are random: a speed benchmark).
+ACCELERATOR = TrainConfig(
+    model=M.ModelConfig(vocab_size=32_768, d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8,
+                        d_ff=5632, rope_theta=500_000.0, dtype="bfloat16"),
+    data=DataConfig(seq_len=4096, batch_size=8), steps=1000)
+# The forms' check: a small model, several key blocks (blockwise loops), on the same device.
+CHECK = M.ModelConfig(vocab_size=1024, d_model=512, n_layers=2, n_heads=8, n_kv_heads=4,
+                      d_ff=1376, qk_norm=True, attention_block=256)
+CHECK_SHAPE = (2, 1024)  # batch, seq
+PEAK = 8192  # the peak matmul: PEAK^3
+
+
+def form_errors(model_cfg: M.ModelConfig, dtype: str) -> dict:
+    """form -> relative error of the loss, the gradients and the max |attention logit| in
+    `dtype`, against the dense form in float32 (errors relative to the largest reference value:
+    a 16-bit dtype rounds at about 4e-3)."""
+    forms = [f for f in A.FORMS if f != "auto"
+             and (f != "cudnn" or jax.default_backend() == "gpu")]
+    B, T = CHECK_SHAPE
+    tokens = jax.random.randint(jax.random.key(0), (B, T + 1), 0, model_cfg.vocab_size)
+    params = M.init_params(model_cfg, jax.random.key(1))
+
+    def run(form, dt):
+        c = dataclasses.replace(model_cfg, attention=form, dtype=dt)
+        f = jax.jit(jax.value_and_grad(lambda p: M.loss_fn(p, tokens, c), has_aux=True))
+        (loss, aux), grads = f(params)
+        return jax.device_get((loss, aux["attn_logit_max"], grads))
+
+    def rel(x, ref):
+        x, ref = np.concatenate([np.ravel(a) for a in x]), np.concatenate(
+            [np.ravel(a) for a in ref])
+        return float(np.max(np.abs(x - ref)) / np.max(np.abs(ref)))
+
+    with jax.set_mesh(make_mesh(MeshConfig())):
+        ref = run("dense", "float32")
+        errors = {}
+        for form in forms:
+            try:
+                loss, logit_max, grads = run(form, dtype)
+            except Exception as e:  # reported, and the benchmark goes on
+                errors[form] = {"error": str(e)[:2000]}
+                continue
+            errors[form] = {"loss": rel([loss], [ref[0]]), "attn_logit_max": rel(
+                [logit_max], [ref[1]]), "grads": rel(jax.tree.leaves(grads),
+                                                     jax.tree.leaves(ref[2]))}
+    return errors
+
+
+def accelerator_steps(cfg: TrainConfig, rounds: int, steps_per_turn: int) -> dict:
+    """Each variant's step in turn, in this process (a GPU step does not share cores with the
+    other compiled steps): seconds per step (median of the rounds), compile + first step, and
+    the device's peak memory so far."""
+    base = dataclasses.replace(cfg.model, attention=A.resolve("auto", cfg.model.dtype))
+    variants = {base.attention: base, "blockwise": dataclasses.replace(base,
+                                                                        attention="blockwise"),
+                f"{base.attention}+qk_norm": dataclasses.replace(base, qk_norm=True)}
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, model in variants.items():
+            print(f"  {name}: compile and one step", flush=True)
+            spec = {"config": dataclasses.asdict(dataclasses.replace(cfg, model=model)),
+                    "plain_adamw": False, "save": False}
+            try:
+                timer = variant_timer(spec, pathlib.Path(tmp) / name)
+                times = [timer(steps_per_turn) for _ in range(rounds)]
+            except Exception as e:  # one variant failing (out of memory) leaves the others
+                print(f"  {name} failed: {e}", flush=True)
+                out[name] = {"error": str(e)[:2000]}
+                continue
+            stats = jax.local_devices()[0].memory_stats() or {}
+            out[name] = {"step_s": statistics.median(times), "rounds_s": times,
+                         "first_step_s": timer.first_step_s,
+                         "peak_bytes_in_use": stats.get("peak_bytes_in_use")}
+            print(f"  {name}: {out[name]['step_s']:.3f} s a step", flush=True)
+            del timer  # frees its state before the next variant's
+    return out
+
+
+def accelerator_main(args) -> int:
+    if jax.default_backend() == "cpu":
+        print("error: bench.py --accelerator needs a GPU or TPU, and JAX sees only the CPU: "
+              "run plain `python bench.py` here", file=sys.stderr)
+        return 2
+    cfg, dtype = ACCELERATOR, jnp.dtype(ACCELERATOR.model.dtype)
+    out = pathlib.Path(args.out or f"bench/results-{jax.default_backend()}.json")
+    device = jax.local_devices()[0]
+    r = {"machine": {"device": device.device_kind, "platform": platform.platform(),
+                     "jax": jax.__version__, "devices": str(jax.devices())},
+         "config": dataclasses.asdict(cfg),
+         "params": M.count_params(cfg.model)}
+
+    def save():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(r, indent=2) + "\n")
+
+    print(f"1/3 every attention form in {cfg.model.dtype} against dense float32 "
+          f"(seq {CHECK_SHAPE[1]}, GQA, QK-Norm)", flush=True)
+    r["form_errors"] = form_errors(CHECK, cfg.model.dtype)
+    for form, e in r["form_errors"].items():
+        print(f"  {form:>10}: " + (f"failed: {e['error']}" if "error" in e else
+              f"loss {e['loss']:.1e}, gradients {e['grads']:.1e}, max logit "
+              f"{e['attn_logit_max']:.1e}"), flush=True)
+    save()
+    print(f"2/3 {cfg.model.dtype} matmuls: {PEAK}^3 and the step's own shapes", flush=True)
+    key = jax.random.key(0)
+    shapes = {"peak/forward": (1, PEAK, PEAK, PEAK), **projection_shapes(cfg)}
+    fns = {}
+    for name, (_, m, k, n) in shapes.items():
+        kind = name.split("/")[-1]
+        f, operands = jax.jit(matmul_fn(kind)), matmul_operands(kind, m, k, n, dtype, key)
+        f(*operands).block_until_ready()
+        fns[name] = (f, operands, 2 * m * k * n)
+    fns["peak/constant_operands"] = (fns["peak/forward"][0], matmul_operands(
+        "forward", PEAK, PEAK, PEAK, dtype), 2 * PEAK**3)
+    rates = [time_matmuls(fns, 0.3, None) for _ in range(3)]
+    r["peak_matmul"] = f"{PEAK}^3"
+    r["matmul_flops"] = {k: statistics.median(x[k] for x in rates) for k in rates[0]}
+    del fns
+    peak, mix = r["matmul_flops"]["peak/forward"], matmul_mix_rate(cfg, r["matmul_flops"])
+    print(f"  {PEAK}^3: {peak / 1e12:.0f} TFLOP/s (constant operands "
+          f"{r['matmul_flops']['peak/constant_operands'] / 1e12:.0f}); the step's mix "
+          f"{mix / 1e12:.0f} TFLOP/s", flush=True)
+    save()
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    print(f"3/3 the train step: {r['params'] / 1e9:.2f}B parameters, seq {cfg.data.seq_len}, "
+          f"{tokens:,} tokens a step, {cfg.model.dtype}", flush=True)
+    steps = accelerator_steps(cfg, args.rounds, args.steps_per_turn)
+    r["steps"] = steps
+    save()
+    steps = {name: s for name, s in steps.items() if "error" not in s}
+    for name, s in steps.items():
+        model = dataclasses.replace(cfg.model, qk_norm=name.endswith("qk_norm"))
+        flops = M.flops_per_token(model, cfg.data.seq_len) * tokens / s["step_s"]
+        s.update(tokens_per_s=tokens / s["step_s"], flops=flops, mfu_vs_matmul=flops / peak,
+                 mfu_vs_matmul_mix=flops / mix)
+    first = next(iter(r["steps"]))
+    if {first, f"{first}+qk_norm"} <= set(steps):
+        r["overheads"] = {"qk_norm": steps[f"{first}+qk_norm"]["step_s"]
+                          / steps[first]["step_s"] - 1}
+    save()
+    print(f"\n{device.device_kind}, {cfg.model.dtype}; the {PEAK}^3 matmul {peak / 1e12:.0f} "
+          f"TFLOP/s, the step's matmul mix {mix / 1e12:.0f} TFLOP/s")
+    for name, s in steps.items():
+        mem = s["peak_bytes_in_use"]
+        print(f"  {name:>16}: {s['tokens_per_s']:>9,.0f} tokens/s, {s['flops'] / 1e12:.0f} "
+              f"TFLOP/s = {s['mfu_vs_matmul']:.0%} of the {PEAK}^3 matmul, "
+              f"{s['mfu_vs_matmul_mix']:.0%} of the mix; compile + first step "
+              f"{s['first_step_s']:.0f} s" + (f"; peak memory {mem / 2**30:.0f} GiB so far"
+                                              if mem else ""))
+    if "overheads" in r:
+        print(f"QK-Norm overhead {r['overheads']['qk_norm']:+.1%} (target <= 3%)")
+    print(f"wrote {out}")
+    return 0
+
+
 def cpu_name() -> str:
     try:
         lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
@@ -512,4 +694,4 @@ def cpu_name() -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
