@@ -155,13 +155,14 @@ def _flash(q, k, v):
     return out, logit_max
 
 
-def _scores(q_BKRH, k_BKSH, on_diagonal: bool):
-    """A block's scores (masked on the diagonal, the only blocks that need a mask) and their
-    max |logit| over the causal entries."""
+def _scores(q_BKRH, k_BKSH, G: int, q_start: int | None):
+    """A block's scores and their max |logit| over the causal entries. q_start: the position
+    of the block's first query relative to its first key where the diagonal crosses the block
+    (the only blocks that need a mask); None for a block left of the diagonal."""
     s_BKRS = jnp.einsum("bkrh,bksh->bkrs", q_BKRH, k_BKSH, preferred_element_type=jnp.float32)
-    if not on_diagonal:
+    if q_start is None:
         return s_BKRS, jnp.max(jnp.abs(s_BKRS))
-    causal_RS = _causal(0, 0, s_BKRS.shape[-2:], q_BKRH.shape[2] // s_BKRS.shape[-1])
+    causal_RS = _causal(q_start, 0, s_BKRS.shape[-2:], G)
     return (jnp.where(causal_RS, s_BKRS, _MASKED),
             jnp.max(jnp.where(causal_RS, jnp.abs(s_BKRS), 0.0)))
 
@@ -182,38 +183,72 @@ def _rowsum_d_out_out(d_out, out):
     return jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
 
 
+_CHUNK = 64  # query positions per chunk of a one-block sequence
+
+
+def _chunks(T: int) -> list[tuple[int, int]]:
+    """A one-block sequence's query chunks, (first, end) positions: a chunk attends the keys
+    before its end."""
+    return [(first, min(first + _CHUNK, T)) for first in range(0, T, _CHUNK)]
+
+
 @jax.custom_vjp
 def _one_block(q, k, v):
-    """T <= block: one block, on the diagonal. No loops, and its probabilities (O(T * block),
-    like every block here) are kept for the backward pass instead of recomputed."""
+    """T <= block: one block, without loops. Its queries go in chunks of 64 positions, each
+    against only the keys up to its last position: causal skipping at a finer grain than the
+    block (attention fwd+bwd 35.6 -> 25.0 ms at T = 128, 76.6 -> 58.0 ms at T = 256 here). The
+    chunks' probabilities, fewer than T^2 per head, are kept for the backward pass."""
     return _one_block_fwd(q, k, v)[0]
 
 
 def _one_block_fwd(q, k, v):
-    s_BKRS, top = _scores(q[0], k[0], on_diagonal=True)
-    p_BKRS = jax.nn.softmax(s_BKRS, axis=-1)
-    out = jnp.einsum("bkrs,bksh->bkrh", p_BKRS.astype(v.dtype), v[0],
-                     preferred_element_type=jnp.float32).astype(q.dtype)[None]
-    return (out, top), (q, k, v, out, p_BKRS)
+    (q_BKRH,), (k_BKSH,), (v_BKSH,) = q, k, v
+    G = q_BKRH.shape[2] // k_BKSH.shape[2]
+    outs, probs, top = [], [], jnp.zeros((), jnp.float32)
+    for first, end in _chunks(k_BKSH.shape[2]):
+        s_BKRS, chunk_top = _scores(q_BKRH[:, :, first * G:end * G], k_BKSH[:, :, :end], G,
+                                    first)
+        p_BKRS = jax.nn.softmax(s_BKRS, axis=-1)
+        outs.append(jnp.einsum("bkrs,bksh->bkrh", p_BKRS.astype(v.dtype), v_BKSH[:, :, :end],
+                               preferred_element_type=jnp.float32))
+        probs.append(p_BKRS)
+        top = jnp.maximum(top, chunk_top)
+    out = jnp.concatenate(outs, axis=2).astype(q.dtype)[None]
+    return (out, top), (q, k, v, out, probs)
 
 
 def _one_block_bwd(residuals, cotangents):
-    q, k, v, out, p_BKRS = residuals
+    q, k, v, out, probs = residuals
     d_out = cotangents[0]  # the statistic's cotangent is dropped: it carries no gradient
-    grads = _block_grads(q[0], k[0], v[0], p_BKRS, d_out[0], _rowsum_d_out_out(d_out, out)[0])
-    return tuple(g[None].astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+    (q_BKRH,), (k_BKSH,), (v_BKSH,), (d_out_BKRH,) = q, k, v, d_out
+    delta_BKR = _rowsum_d_out_out(d_out, out)[0]
+    B, K, S, H = k_BKSH.shape
+    G = q_BKRH.shape[2] // S
+    dq, dk, dv = [], jnp.zeros((B, K, S, H), jnp.float32), jnp.zeros((B, K, S, H), jnp.float32)
+    for (first, end), p_BKRS in zip(_chunks(S), probs):
+        rows = slice(first * G, end * G)
+        dq_c, dk_c, dv_c = _block_grads(q_BKRH[:, :, rows], k_BKSH[:, :, :end],
+                                        v_BKSH[:, :, :end], p_BKRS, d_out_BKRH[:, :, rows],
+                                        delta_BKR[:, :, rows])
+        pad = [(0, 0), (0, 0), (0, S - end), (0, 0)]
+        dq.append(dq_c)
+        dk, dv = dk + jnp.pad(dk_c, pad), dv + jnp.pad(dv_c, pad)
+    return tuple(g[None].astype(x.dtype) for g, x in zip(
+        (jnp.concatenate(dq, axis=2), dk, dv), (q, k, v)))
 
 
 _one_block.defvjp(_one_block_fwd, _one_block_bwd)
 
 
 def _flash_forward(q, k, v):
+    G = q.shape[3] // k.shape[3]
+
     def query_block(i):
         q_BKRH = q[i]
 
         def key_block(j, carry, on_diagonal=False):
             m_BKR, l_BKR, acc_BKRH, top = carry
-            s_BKRS, block_top = _scores(q_BKRH, k[j], on_diagonal)
+            s_BKRS, block_top = _scores(q_BKRH, k[j], G, 0 if on_diagonal else None)
             top = jnp.maximum(top, block_top)
             m_new = jnp.maximum(m_BKR, jnp.max(s_BKRS, axis=-1))
             p_BKRS = jnp.exp(s_BKRS - m_new[..., None])
@@ -245,11 +280,12 @@ def _flash_bwd(residuals, cotangents):
     q, k, v, out, lse = residuals
     d_out = cotangents[0]  # the statistic's cotangent is dropped: it carries no gradient
     delta = _rowsum_d_out_out(d_out, out)
+    G = q.shape[3] // k.shape[3]
 
     def key_block(dq, j):
         def query_block(i, carry, on_diagonal=False):
             dq, dk_BKSH, dv_BKSH = carry
-            s_BKRS, _ = _scores(q[i], k[j], on_diagonal)
+            s_BKRS, _ = _scores(q[i], k[j], G, 0 if on_diagonal else None)
             p_BKRS = jnp.exp(s_BKRS - lse[i][..., None])
             dq_i, dk_j, dv_j = _block_grads(q[i], k[j], v[j], p_BKRS, d_out[i], delta[i])
             return dq.at[i].add(dq_i), dk_BKSH + dk_j, dv_BKSH + dv_j

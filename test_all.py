@@ -180,9 +180,9 @@ def test_the_max_attention_logit_counts_causal_entries_only():
 # attention.py
 
 @functools.cache
-def loss_logit_max_grads(model_cfg, mesh_shape):
-    """Loss, per-layer max |attention logit| and gradients on a fixed [4, 41] batch."""
-    tokens = np.random.default_rng(5).integers(0, 256, (4, 41)).astype(np.int32)
+def loss_logit_max_grads(model_cfg, mesh_shape, seq=40):
+    """Loss, per-layer max |attention logit| and gradients on a fixed [4, seq + 1] batch."""
+    tokens = np.random.default_rng(5).integers(0, 256, (4, seq + 1)).astype(np.int32)
     params = M.init_params(model_cfg, jax.random.key(2))
     with jax.set_mesh(mesh_of(*mesh_shape)):
         f = jax.value_and_grad(lambda p, x: M.loss_fn(p, x, model_cfg), has_aux=True)
@@ -191,20 +191,20 @@ def loss_logit_max_grads(model_cfg, mesh_shape):
             [np.asarray(g) for g in jax.tree.leaves(grads)])
 
 
-@pytest.mark.parametrize("form,mesh_shape,qk_norm,block", [
-    ("grouped", (1, 1), True, 16), ("blockwise", (1, 1), True, 16),
-    ("grouped", (2, 2), False, 16), ("blockwise", (2, 2), False, 16),
-    ("blockwise", (2, 2), True, 64)])
+@pytest.mark.parametrize("form,mesh_shape,qk_norm,block,seq", [
+    ("grouped", (1, 1), True, 16, 40), ("blockwise", (1, 1), True, 16, 40),
+    ("grouped", (2, 2), False, 16, 40), ("blockwise", (2, 2), False, 16, 40),
+    ("blockwise", (2, 2), True, 64, 40), ("blockwise", (1, 1), False, 128, 100)])
 def test_every_attention_form_equals_dense_in_loss_logit_max_and_gradients(form, mesh_shape,
-                                                                           qk_norm, block):
+                                                                           qk_norm, block, seq):
     """Grouped-query attention (4 query heads on 2 KV heads), T = 40 in blocks of 16 (the last
-    one padded) or in one block of 64 (blockwise's loop-free path), init_std 0.2 so that the
-    logits are large without QK-Norm (max ~10); on one device and on a 2x2 mesh (batch and
-    heads split)."""
+    one padded) or in one block of 64 (blockwise's loop-free path), or T = 100 in one block of
+    128 (queries in two chunks, the second partial); init_std 0.2 so that the logits are large
+    without QK-Norm (max ~10); on one device and on a 2x2 mesh (batch and heads split)."""
     cfg = dataclasses.replace(TINY.model, qk_norm=qk_norm, init_std=0.2, attention_block=16)
-    ref = loss_logit_max_grads(dataclasses.replace(cfg, attention="dense"), mesh_shape)
+    ref = loss_logit_max_grads(dataclasses.replace(cfg, attention="dense"), mesh_shape, seq)
     got = loss_logit_max_grads(dataclasses.replace(cfg, attention=form, attention_block=block),
-                               mesh_shape)
+                               mesh_shape, seq)
     assert got[0] == pytest.approx(ref[0], rel=1e-6)
     np.testing.assert_allclose(got[1], ref[1], rtol=1e-5)
     assert len(got[2]) == len(ref[2])
