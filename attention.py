@@ -14,10 +14,11 @@ statistic is a metric and carries no gradient.
                blocks above the diagonal never computed, and a custom_vjp whose backward pass
                recomputes each block's probabilities from the saved log-sum-exp instead of
                storing them: memory O(T * block) per layer (a sequence of one block, T <=
-               block, runs without loops and keeps its probabilities instead)
+               block, runs without loops, its queries in chunks of 64 positions that skip
+               the keys after them, and keeps its probabilities instead)
     cudnn      jax.nn.dot_product_attention(implementation="cudnn"): NVIDIA GPUs, bf16 / fp16
     auto       cudnn on a GPU with a 16-bit dtype, else blockwise (on a 2-core CPU the fastest
-               form at seq 128 to 1,024 in the last two benchmark runs; on TPU a Pallas kernel
+               form at seq 128 to 1,024 in the last three benchmark runs; on TPU a Pallas kernel
                would serve better)
 
 grouped, blockwise and cudnn run per device under `jax.shard_map` (batch over "data", heads

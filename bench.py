@@ -528,7 +528,7 @@ def report(r: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 # bench.py --accelerator: one GPU chip, in the 16-bit compute dtype it trains in
 
-# ~0.9B parameters at Marin's sequence length: 16,384 tokens a step, batch 4 x seq 4,096. The
+# ~0.9B parameters at Marin's sequence length: 32,768 tokens a step, batch 8 x seq 4,096. The
 # vocabulary is a BPE-sized 32,768 (the tokens are random: a speed benchmark).
 ACCELERATOR = TrainConfig(
     model=M.ModelConfig(vocab_size=32_768, d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8,
