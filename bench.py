@@ -117,6 +117,18 @@ def projection_shapes(cfg) -> dict:
             for kind in ("forward", "input_grad", "weight_grad")}
 
 
+def compiled_matmuls(shapes: dict, dtype=jnp.float32, key=None) -> dict:
+    """name -> (compiled matmul, operands, FLOPs) for each name "<...>/<kind>": (count, m, k, n),
+    compiled and run once."""
+    fns = {}
+    for name, (_, m, k, n) in shapes.items():
+        kind = name.split("/")[-1]
+        f, operands = jax.jit(matmul_fn(kind)), matmul_operands(kind, m, k, n, dtype, key)
+        f(*operands).block_until_ready()
+        fns[name] = (f, operands, 2 * m * k * n)
+    return fns
+
+
 def time_matmuls(fns, budget_s=0.15, rate_guess: float | None = 150e9) -> dict:
     """FLOP/s of each (f, operands, flops), timed for about budget_s each (the repetitions
     from rate_guess, or from one timed call)."""
@@ -144,13 +156,7 @@ def worker() -> None:
     spec = json.loads(sys.stdin.readline())
     jax.monitoring.register_event_duration_secs_listener(count_compile)
     if spec["kind"] == "matmul":
-        fns = {}
-        for name, (_, m, k, n) in spec["shapes"].items():
-            kind = name.split("/")[-1]
-            f = jax.jit(matmul_fn(kind))
-            args = matmul_operands(kind, m, k, n)
-            f(*args).block_until_ready()
-            fns[name] = (f, args, 2 * m * k * n)
+        fns = compiled_matmuls(spec["shapes"])
         reply("ready")
         for _ in sys.stdin:
             reply(time_matmuls(fns))
@@ -255,13 +261,16 @@ def own_cpu_seconds() -> float:
                                                   resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
+def step_spec(c, plain_adamw=False, save=False) -> dict:
+    """A step variant for variant_timer (and a worker): config c, optionally with plain AdamW
+    + clip instead of make_tx's chain, or with an orbax save before each turn."""
+    return {"kind": "step", "config": dataclasses.asdict(c), "plain_adamw": plain_adamw,
+            "save": save}
+
+
 def variant_specs(cfg, seq_lens) -> dict:
     """name -> worker spec: every attention form at every length, each in its own process; the
     overheads as pairs, each pair in one process (the default step against the variant)."""
-    def spec(c, plain_adamw=False, save=False):
-        return {"kind": "step", "config": dataclasses.asdict(c), "plain_adamw": plain_adamw,
-                "save": save}
-
     def pair(a, b):
         return {"kind": "pair", "pair": [a, b]}
 
@@ -269,25 +278,24 @@ def variant_specs(cfg, seq_lens) -> dict:
         return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model),
                                    data=dataclasses.replace(cfg.data, seq_len=seq,
                                                             batch_size=TOKENS_PER_STEP // seq))
-    specs = {f"{form}@{seq}": spec(at(seq, attention=form)) for seq in seq_lens
+    specs = {f"{form}@{seq}": step_spec(at(seq, attention=form)) for seq in seq_lens
              for form in ("dense", "grouped", "blockwise")}
     seq = seq_lens[0]
     base = at(seq, attention=A.resolve("auto", cfg.model.dtype))
     specs.update({
-        "qk_norm": pair(spec(base), spec(dataclasses.replace(
+        "qk_norm": pair(step_spec(base), step_spec(dataclasses.replace(
             base, model=dataclasses.replace(base.model, qk_norm=True)))),
-        "per_layer_instrumentation": pair(spec(dataclasses.replace(base,
-                                                                   per_layer_metrics=False)),
-                                          spec(base)),
-        "spike_machinery_vs_plain_adamw": pair(spec(base, plain_adamw=True), spec(
+        "per_layer_instrumentation": pair(step_spec(dataclasses.replace(
+            base, per_layer_metrics=False)), step_spec(base)),
+        "spike_machinery_vs_plain_adamw": pair(step_spec(base, plain_adamw=True), step_spec(
             dataclasses.replace(base, optim=dataclasses.replace(base.optim, skip_step=True,
                                                                 update_clip="norm")))),
-        "checkpoint": pair(spec(base), spec(base, save=True)),
-        "scan_instead_of_unrolled": pair(spec(base), spec(dataclasses.replace(
+        "checkpoint": pair(step_spec(base), step_spec(base, save=True)),
+        "scan_instead_of_unrolled": pair(step_spec(base), step_spec(dataclasses.replace(
             base, model=dataclasses.replace(base.model, scan_layers=True)))),
         # the default step against itself: how far apart two identical steps come out in one
         # process, the floor under every overhead above
-        "same_step_twice": pair(spec(base), spec(base))})
+        "same_step_twice": pair(step_spec(base), step_spec(base))})
     return specs
 
 
@@ -589,10 +597,9 @@ def accelerator_steps(cfg: TrainConfig, rounds: int, steps_per_turn: int) -> dic
     with tempfile.TemporaryDirectory() as tmp:
         for name, model in variants.items():
             print(f"  {name}: compile and one step", flush=True)
-            spec = {"config": dataclasses.asdict(dataclasses.replace(cfg, model=model)),
-                    "plain_adamw": False, "save": False}
             try:
-                timer = variant_timer(spec, pathlib.Path(tmp) / name)
+                timer = variant_timer(step_spec(dataclasses.replace(cfg, model=model)),
+                                      pathlib.Path(tmp) / name)
                 times = [timer(steps_per_turn) for _ in range(rounds)]
             except Exception as e:  # one variant failing (out of memory) leaves the others
                 print(f"  {name} failed: {e}", flush=True)
@@ -633,14 +640,8 @@ def accelerator_main(args) -> int:
               f"{e['attn_logit_max']:.1e}"), flush=True)
     save()
     print(f"2/3 {cfg.model.dtype} matmuls: {PEAK}^3 and the step's own shapes", flush=True)
-    key = jax.random.key(0)
-    shapes = {"peak/forward": (1, PEAK, PEAK, PEAK), **projection_shapes(cfg)}
-    fns = {}
-    for name, (_, m, k, n) in shapes.items():
-        kind = name.split("/")[-1]
-        f, operands = jax.jit(matmul_fn(kind)), matmul_operands(kind, m, k, n, dtype, key)
-        f(*operands).block_until_ready()
-        fns[name] = (f, operands, 2 * m * k * n)
+    fns = compiled_matmuls({"peak/forward": (1, PEAK, PEAK, PEAK), **projection_shapes(cfg)},
+                           dtype, jax.random.key(0))
     fns["peak/constant_operands"] = (fns["peak/forward"][0], matmul_operands(
         "forward", PEAK, PEAK, PEAK, dtype), 2 * PEAK**3)
     rates = [time_matmuls(fns, 0.3, None) for _ in range(3)]
