@@ -14,7 +14,7 @@ statistic is a metric and carries no gradient.
                blocks above the diagonal never computed, and a custom_vjp whose backward pass
                recomputes each block's probabilities from the saved log-sum-exp instead of
                storing them: memory O(T * block) per layer (a sequence of one block, T <=
-               block, runs without loops, its queries in chunks of 64 positions that skip
+               block, runs without loops, its queries in chunks of 32 positions that skip
                the keys after them, and keeps its probabilities instead)
     cudnn      jax.nn.dot_product_attention(implementation="cudnn"): NVIDIA GPUs, bf16 / fp16
     auto       cudnn on a GPU with a 16-bit dtype, else blockwise (on a 2-core CPU the fastest
@@ -184,7 +184,7 @@ def _rowsum_d_out_out(d_out, out):
     return jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
 
 
-_CHUNK = 64  # query positions per chunk of a one-block sequence
+_CHUNK = 32  # query positions per chunk of a one-block sequence
 
 
 def _chunks(T: int) -> list[tuple[int, int]]:
@@ -195,10 +195,12 @@ def _chunks(T: int) -> list[tuple[int, int]]:
 
 @jax.custom_vjp
 def _one_block(q, k, v):
-    """T <= block: one block, without loops. Its queries go in chunks of 64 positions, each
+    """T <= block: one block, without loops. Its queries go in chunks of 32 positions, each
     against only the keys up to its last position: causal skipping at a finer grain than the
-    block (attention fwd+bwd 35.6 -> 25.0 ms at T = 128, 76.6 -> 58.0 ms at T = 256 here). The
-    chunks' probabilities, fewer than T^2 per head, are kept for the backward pass."""
+    block. Attention fwd+bwd here at T = 128 (B = 32): 35.6 ms unchunked -> 25.0 ms in chunks
+    of 64 (one run); 28.2 ms in chunks of 64 -> 23.6 ms in chunks of 32 (another run). At
+    T = 256, 32 and 64 tie (59 ms); 16 was slower. The chunks' probabilities, fewer than T^2
+    per head, are kept for the backward pass."""
     return _one_block_fwd(q, k, v)[0]
 
 

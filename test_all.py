@@ -199,7 +199,7 @@ def test_every_attention_form_equals_dense_in_loss_logit_max_and_gradients(form,
                                                                            qk_norm, block, seq):
     """Grouped-query attention (4 query heads on 2 KV heads), T = 40 in blocks of 16 (the last
     one padded) or in one block of 64 (blockwise's loop-free path), or T = 100 in one block of
-    128 (queries in two chunks, the second partial); init_std 0.2 so that the logits are large
+    128 (queries in four chunks, the last partial); init_std 0.2 so that the logits are large
     without QK-Norm (max ~10); on one device and on a 2x2 mesh (batch and heads split)."""
     cfg = dataclasses.replace(TINY.model, qk_norm=qk_norm, init_std=0.2, attention_block=16)
     ref = loss_logit_max_grads(dataclasses.replace(cfg, attention="dense"), mesh_shape, seq)
