@@ -18,8 +18,9 @@ statistic is a metric and carries no gradient.
                the keys after them, and keeps its probabilities instead)
     cudnn      jax.nn.dot_product_attention(implementation="cudnn"): NVIDIA GPUs, bf16 / fp16
     auto       cudnn on a GPU with a 16-bit dtype, else blockwise (on a 2-core CPU the fastest
-               form at seq 128 to 1,024 in the last three benchmark runs; on TPU a Pallas kernel
-               would serve better)
+               form at seq 256 to 1,024 in the last six benchmark runs, and at seq 128 in five
+               of them, grouped 0.8% ahead in the sixth; on TPU a Pallas kernel would serve
+               better)
 
 grouped, blockwise and cudnn run per device under `jax.shard_map` (batch over "data", heads
 over "model"), so their loops see plain local arrays.
