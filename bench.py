@@ -510,12 +510,12 @@ def report(r: dict) -> None:
           f"({t['matmul_2048_flops'] / 1e9:.0f} GFLOP/s); no recompilation, no host transfer")
     print("overheads, each against the default step in the same process: the median of the "
           "rounds (and their range; a target finer than the range is not resolved here)")
-    targets = {"qk_norm": ("QK-Norm", "<= 3%"),
-               "spike_machinery_vs_plain_adamw": ("spike machinery vs plain AdamW+clip", "<= 3%"),
-               "per_layer_instrumentation": ("per-layer instrumentation", "<= 5%"),
-               "scan_instead_of_unrolled": ("layers as a scan loop instead of unrolled", ""),
-               "same_step_twice": ("the default step against itself (the floor)", "")}
-    for name, (what, target) in targets.items():
+    rows = {"qk_norm": ("QK-Norm", "<= 3%"),
+            "spike_machinery_vs_plain_adamw": ("spike machinery vs plain AdamW+clip", "<= 3%"),
+            "per_layer_instrumentation": ("per-layer instrumentation", "<= 5%"),
+            "scan_instead_of_unrolled": ("layers as a scan loop instead of unrolled", ""),
+            "same_step_twice": ("the default step against itself (the floor)", "")}
+    for name, (what, target) in rows.items():
         rounds = r["pair_ratios"][name]
         print(f"  {what:<44} {o[name]:+6.1%}  ({min(rounds) - 1:+.1%} .. {max(rounds) - 1:+.1%})"
               + (f"  target {target}" if target else ""))
