@@ -1,13 +1,13 @@
 """Causal grouped-query attention in the forms `--model.attention` selects.
 
-    out_BTNH, logit_max = attend(q_BTNH, k_BTKH, v_BTKH, form, block)   # q, k after RoPE
+    out_BTNH, logit_max = attend(q_BTNH, k_BTKH, v_BTKH, form, block, spec)   # q, k after RoPE
 
 Every form computes softmax(q k^T / sqrt(H), causal) v, and the max |q.k / sqrt(H)| over the
 entries attention uses (the causal ones): the statistic that explodes without QK-Norm. The
 statistic is a metric and carries no gradient.
 
-    dense      the reference (model.attention): scores [B, K, G, T, S] with K and V broadcast
-               over each KV head's G query heads; memory O(T^2) per layer
+    dense      the reference, and the cached decode's: scores [B, K, G, T, S] with K and V
+               broadcast over each KV head's G query heads; memory O(T^2) per layer
     grouped    each KV head's G query heads folded into the rows of one score matmul,
                [B, K, T*G, H] x [B, K, H, S]: no broadcast of K and V; still O(T^2)
     blockwise  FlashAttention (Dao et al. 2205.14135) in JAX: online softmax over key blocks,
@@ -17,13 +17,11 @@ statistic is a metric and carries no gradient.
                block, runs without loops, its queries in chunks of 32 positions that skip
                the keys after them, and keeps its probabilities instead)
     cudnn      jax.nn.dot_product_attention(implementation="cudnn"): NVIDIA GPUs, bf16 / fp16
-    auto       cudnn on a GPU with a 16-bit dtype, else blockwise (on a 2-core CPU the fastest
-               form at seq 256 to 1,024 in the last six benchmark runs, and at seq 128 in five
-               of them, grouped 0.8% ahead in the sixth; on TPU a Pallas kernel would serve
-               better)
+    auto       cudnn on a GPU with a 16-bit dtype, else blockwise (the fastest form on a 2-core
+               CPU at the lengths bench.py measures; bench/README.md has the figures)
 
-grouped, blockwise and cudnn run per device under `jax.shard_map` (batch over "data", heads
-over "model"), so their loops see plain local arrays.
+Every form runs per device under `jax.shard_map` (batch over "data", heads over "model"), so
+its loops see plain local arrays.
 """
 
 import math
@@ -52,23 +50,38 @@ def check_platform(form: str, platform: str) -> None:
                          f"{platform}: use --model.attention auto")
 
 
-def attend(q_BTNH, k_BTKH, v_BTKH, form: str, block: int):
+def attend(q_BTNH, k_BTKH, v_BTKH, form: str, block: int, spec: P):
     """Attention output [B, T, N, H] and the max |attention logit| (a float32 scalar), for
-    the arrays of a ("data", "model") mesh: batch on "data", heads on "model"."""
-    local = {"grouped": grouped, "cudnn": cudnn,
+    arrays sharded as `spec` (model.py's table: batch over "data", heads over "model")."""
+    local = {"dense": dense, "grouped": grouped, "cudnn": cudnn,
              "blockwise": lambda q, k, v: blockwise(q, k, v, block)}[form]
 
     def per_device(q, k, v):
         out, logit_max = local(q, k, v)
         return out, logit_max[None]  # one per device; their max is taken outside
 
-    spec = P("data", None, "model", None)
     # check_vma=False: the loops' carries start as fresh zeros, which the check would have
     # us mark as device-varying one by one.
     out_BTNH, maxes = jax.shard_map(per_device, in_specs=(spec, spec, spec),
-                                    out_specs=(spec, P(("data", "model"))),
+                                    out_specs=(spec, P(tuple(a for a in spec if a))),
                                     check_vma=False)(q_BTNH, k_BTKH, v_BTKH)
     return out_BTNH, jnp.max(maxes)
+
+
+def dense(q_BTNH, k_BSKH, v_BSKH, q_offset=0):
+    """The reference form. Query t sits at position q_offset + t and sees the keys at positions
+    up to its own: causal for training (q_offset 0), and for the cached decode, whose queries
+    start at the cache's fill level and whose unfilled tail lies past every query."""
+    B, T, N, H = q_BTNH.shape
+    S, K = k_BSKH.shape[1:3]
+    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
+    logits_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH,
+                              preferred_element_type=jnp.float32) / math.sqrt(H)
+    causal_TS = (q_offset + jnp.arange(T))[:, None] >= jnp.arange(S)[None, :]
+    logit_max = jnp.max(jnp.where(causal_TS, jnp.abs(logits_BKGTS), 0.0))
+    probs_BKGTS = jax.nn.softmax(jnp.where(causal_TS, logits_BKGTS, _MASKED), axis=-1)
+    out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS.astype(v_BSKH.dtype), v_BSKH)
+    return out_BTKGH.reshape(B, T, N, H), jax.lax.stop_gradient(logit_max)
 
 
 def _grouped_rows(x_BTNH, K):
@@ -198,10 +211,8 @@ def _chunks(T: int) -> list[tuple[int, int]]:
 def _one_block(q, k, v):
     """T <= block: one block, without loops. Its queries go in chunks of 32 positions, each
     against only the keys up to its last position: causal skipping at a finer grain than the
-    block. Attention fwd+bwd here at T = 128 (B = 32): 35.6 ms unchunked -> 25.0 ms in chunks
-    of 64 (one run); 28.2 ms in chunks of 64 -> 23.6 ms in chunks of 32 (another run). At
-    T = 256, 32 and 64 tie (59 ms); 16 was slower. The chunks' probabilities, fewer than T^2
-    per head, are kept for the backward pass."""
+    block (bench/README.md has the measurements behind the chunk size). The chunks'
+    probabilities, fewer than T^2 per head, are kept for the backward pass."""
     return _one_block_fwd(q, k, v)[0]
 
 

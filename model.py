@@ -135,9 +135,12 @@ def param_table(cfg: ModelConfig) -> dict[str, ParamSpec]:
     return table
 
 
-# Logical axis -> mesh axis. FSDP: parameters are split over "data" along the embed dimension;
-# tensor parallelism splits heads, ffw and vocab over "model". Change a strategy here, only here.
+# Logical axis -> mesh axis, for parameters and activations alike (jax-llm-examples'
+# ShardingRules). FSDP: parameters are split over "data" along their embed dimension; tensor
+# parallelism splits heads, ffw and vocab over "model"; activations split the batch over "data".
+# Change a strategy here, only here.
 LOGICAL_TO_MESH = {
+    # parameters
     "layers": None,
     "embed": "data",
     "vocab": "model",
@@ -145,6 +148,11 @@ LOGICAL_TO_MESH = {
     "kv_heads": "model",
     "ffw": "model",
     "head_dim": None,
+    # activations (their heads, kv_heads, ffw and head_dim axes are the parameters')
+    "batch": "data",
+    "seq": None,
+    "act_embed": None,
+    "act_vocab": None,
 }
 
 
@@ -155,6 +163,12 @@ def logical_to_spec(axes: tuple[str, ...], gathered: bool = False) -> P:
     if gathered:
         mesh_axes = [None if m == "data" else m for m in mesh_axes]
     return P(*mesh_axes)
+
+
+def shard(*axes: str) -> P | None:
+    """The PartitionSpec of an activation with these logical axes; None outside any mesh (one
+    device, as sample.py decodes), where there is nothing to say."""
+    return None if jax.sharding.get_abstract_mesh().empty else logical_to_spec(axes)
 
 
 def _nest(flat: dict) -> dict:
@@ -229,70 +243,66 @@ def rope(x_BTNH, theta: float, offset=0):
 
 
 def _gather(p: dict, cfg: ModelConfig, dtype) -> dict:
-    """FSDP all-gather of one layer's (or the top-level) weights, cast to the compute dtype."""
+    """FSDP all-gather of one layer's (or the top-level) weights, cast to the compute dtype.
+    Outside any mesh (sampling on one device) only the cast."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return {k: v.astype(dtype) for k, v in p.items() if k != "layers"}
     specs = {k.split("/")[-1]: logical_to_spec(s.axes[1:] if k.startswith("layers/") else s.axes,
                                                gathered=True)
              for k, s in param_table(cfg).items()}
     return {k: jax.reshard(v, specs[k]).astype(dtype) for k, v in p.items() if k != "layers"}
 
 
-def dense(x, w, out_spec: P):
-    """x [B, T, *in] times w [*in, *out] -> [B, T, *out], as one 2-D [B*T, in] x [in, out]
-    matmul. The same math as the einsum; XLA's CPU backward on the batched einsum form (its
-    weight gradient contracts over B and T) ran ~1.6x slower than on this form."""
+def matmul_2d(x, w, out_axes: tuple[str, ...]):
+    """x [B, T, *in] times w [*in, *out] -> [B, T, *out], its `out` axes sharded as the
+    logical `out_axes`: the einsum over the `in` axes, computed as one 2-D [B*T, in] x [in, out]
+    matmul, because XLA:CPU's backward of the batched form (whose weight gradient contracts
+    over B and T) is slower."""
     B, T = x.shape[:2]
-    n_in = x.ndim - 2
-    out_shape = w.shape[n_in:]
-    in_spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim  # explicit: in the type
-    x_MI = x.reshape(B * T, math.prod(x.shape[2:]), out_sharding=P("data", in_spec[2]))
-    w_IO = w.reshape(math.prod(w.shape[:n_in]), math.prod(out_shape))
-    y_MO = jnp.einsum("mi,io->mo", x_MI, w_IO, out_sharding=P("data", out_spec[0]))
-    return y_MO.reshape(B, T, *out_shape, out_sharding=P("data", None, *out_spec))
+    out_shape = w.shape[x.ndim - 2:]
+    out_spec = rows_spec = y_spec = shard("batch", "seq", *out_axes)  # None outside a mesh
+    if out_spec is not None:  # rows B*T on the batch's axis; features as x's / the output's
+        x_spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
+        rows_spec, y_spec = P(out_spec[0], x_spec[2]), P(out_spec[0], out_spec[2])
+    x_MI = x.reshape(B * T, math.prod(x.shape[2:]), out_sharding=rows_spec)
+    w_IO = w.reshape(x_MI.shape[1], math.prod(out_shape))
+    y_MO = jnp.einsum("mi,io->mo", x_MI, w_IO, out_sharding=y_spec)
+    return y_MO.reshape(B, T, *out_shape, out_sharding=out_spec)
 
 
-def attention(x_BTD, p, cfg: ModelConfig):
-    """Causal grouped-query attention. Returns the output and the max |attention logit|
-    over the causal entries. The scores below are the dense form; attention.py has the others."""
-    B, T, _ = x_BTD.shape
-    K, H = cfg.n_kv_heads, cfg.head_dim
-    G = cfg.n_heads // K
-    q_BTNH = dense(x_BTD, p["wq"], P("model", None))
-    k_BTKH = dense(x_BTD, p["wk"], P("model", None))
-    v_BTKH = dense(x_BTD, p["wv"], P("model", None))
+def qkv(h_BTD, p, cfg: ModelConfig, offset=0):
+    """One layer's queries, keys and values: the projections, QK-Norm (if on) and RoPE, for
+    positions offset..offset+T-1. The training forward and the cached decode both call this."""
+    q_BTNH = matmul_2d(h_BTD, p["wq"], ("heads", "head_dim"))
+    k_BTKH = matmul_2d(h_BTD, p["wk"], ("kv_heads", "head_dim"))
+    v_BTKH = matmul_2d(h_BTD, p["wv"], ("kv_heads", "head_dim"))
     if cfg.qk_norm:  # NOTE: before RoPE, per head over head_dim, as in Qwen3 (Marin's fix)
         q_BTNH = rms_norm(q_BTNH, p["q_norm"], cfg.norm_eps)
         k_BTKH = rms_norm(k_BTKH, p["k_norm"], cfg.norm_eps)
-    q_BTNH, k_BTKH = rope(q_BTNH, cfg.rope_theta), rope(k_BTKH, cfg.rope_theta)
+    return rope(q_BTNH, cfg.rope_theta, offset), rope(k_BTKH, cfg.rope_theta, offset), v_BTKH
+
+
+def attention(x_BTD, p, cfg: ModelConfig):
+    """Causal grouped-query attention in the form cfg.attention selects (attention.py).
+    Returns the output and the max |attention logit| over the causal entries."""
+    q_BTNH, k_BTKH, v_BTKH = qkv(x_BTD, p, cfg)
     form = A.resolve(cfg.attention, cfg.dtype)
-    if form != "dense":
-        out_BTNH, logit_max = A.attend(q_BTNH, k_BTKH, v_BTKH, form, cfg.attention_block)
-        return dense(out_BTNH, p["wo"], P(None)), logit_max
-    q_BTKGH = q_BTNH.reshape(B, T, K, G, H)
-    logits_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BTKH,
-                              out_sharding=P("data", "model")).astype(jnp.float32)
-    logits_BKGTS = logits_BKGTS / math.sqrt(H)
-    causal_TS = jnp.tril(jnp.ones((T, T), bool))
-    # The quantity that explodes without QK-Norm, over the entries attention uses (causal).
-    logit_max = jnp.max(jnp.where(causal_TS, jnp.abs(logits_BKGTS), 0.0))
-    logits_BKGTS = jnp.where(causal_TS, logits_BKGTS, -1e30)
-    probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(x_BTD.dtype)
-    out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BTKH,
-                           out_sharding=P("data", None, "model"))
-    out_BTNH = out_BTKGH.reshape(B, T, K * G, H)
-    return dense(out_BTNH, p["wo"], P(None)), logit_max
+    out_BTNH, logit_max = A.attend(q_BTNH, k_BTKH, v_BTKH, form, cfg.attention_block,
+                                   shard("batch", "seq", "heads", "head_dim"))
+    return matmul_2d(out_BTNH, p["wo"], ("act_embed",)), logit_max
 
 
 def mlp(x_BTD, p):
-    gate_BTF = dense(x_BTD, p["w_gate"], P("model"))
-    up_BTF = dense(x_BTD, p["w_up"], P("model"))
-    return dense(jax.nn.silu(gate_BTF) * up_BTF, p["w_down"], P(None))
+    gate_BTF = matmul_2d(x_BTD, p["w_gate"], ("ffw",))
+    up_BTF = matmul_2d(x_BTD, p["w_up"], ("ffw",))
+    return matmul_2d(jax.nn.silu(gate_BTF) * up_BTF, p["w_down"], ("act_embed",))
 
 
 def forward(params: dict, tokens_BT, cfg: ModelConfig):
     """Logits [B, T, V] (float32) and per-layer statistics {"attn_logit_max": [L]}."""
     dtype = jnp.dtype(cfg.dtype)
     top = _gather(params, cfg, dtype)
-    x_BTD = top["embed"].at[tokens_BT].get(out_sharding=P("data"))
+    x_BTD = top["embed"].at[tokens_BT].get(out_sharding=shard("batch", "seq", "act_embed"))
 
     def block(x_BTD, layer_params):
         p = _gather(layer_params, cfg, dtype)
@@ -304,7 +314,8 @@ def forward(params: dict, tokens_BT, cfg: ModelConfig):
     x_BTD, logit_max_L = jax.lax.scan(block, x_BTD, params["layers"],
                                       unroll=1 if cfg.scan_layers else cfg.n_layers)
     x_BTD = rms_norm(x_BTD, top["final_norm"], cfg.norm_eps)
-    logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, top["head"], out_sharding=P("data", None, None))
+    logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, top["head"],
+                            out_sharding=shard("batch", "seq", "act_vocab"))
     return logits_BTV.astype(jnp.float32), {"attn_logit_max": logit_max_L}
 
 
@@ -321,40 +332,26 @@ def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
 def forward_cached(params: dict, tokens_BT, cache: dict, cfg: ModelConfig):
     """Logits [B, T, V] of T new tokens at positions cache["pos"]..+T-1, attending to every
     earlier position through the cache; returns (logits, the cache with them added). For one
-    device, outside any mesh (sampling): the params are plain, unsharded arrays."""
+    device, outside any mesh (sampling): the params are plain, unsharded arrays. The block is
+    `forward`'s (qkv, mlp); its attention is the reference form over the cache's keys."""
     dtype, pos = jnp.dtype(cfg.dtype), cache["pos"]
-    B, T = tokens_BT.shape
-    K, H, G = cfg.n_kv_heads, cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
-    top = {k: v.astype(dtype) for k, v in params.items() if k != "layers"}
+    top = _gather(params, cfg, dtype)
     x_BTD = top["embed"][tokens_BT]
 
     def block(x_BTD, layer):
         layer_params, k_cache_BSKH, v_cache_BSKH = layer
-        p = {k: v.astype(dtype) for k, v in layer_params.items()}
-        h_BTD = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
-        q_BTNH, k_BTKH, v_BTKH = (jnp.einsum("btd,dnh->btnh", h_BTD, p[w])
-                                  for w in ("wq", "wk", "wv"))
-        if cfg.qk_norm:
-            q_BTNH = rms_norm(q_BTNH, p["q_norm"], cfg.norm_eps)
-            k_BTKH = rms_norm(k_BTKH, p["k_norm"], cfg.norm_eps)
-        q_BTNH, k_BTKH = rope(q_BTNH, cfg.rope_theta, pos), rope(k_BTKH, cfg.rope_theta, pos)
+        p = _gather(layer_params, cfg, dtype)
+        q_BTNH, k_BTKH, v_BTKH = qkv(rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps), p, cfg, pos)
         k_cache_BSKH = jax.lax.dynamic_update_slice(k_cache_BSKH, k_BTKH, (0, pos, 0, 0))
         v_cache_BSKH = jax.lax.dynamic_update_slice(v_cache_BSKH, v_BTKH, (0, pos, 0, 0))
-        S = k_cache_BSKH.shape[1]
-        logits_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTNH.reshape(B, T, K, G, H),
-                                  k_cache_BSKH).astype(jnp.float32) / math.sqrt(H)
-        seen_TS = jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None]  # causal, and filled
-        probs_BKGTS = jax.nn.softmax(jnp.where(seen_TS, logits_BKGTS, -1e30), axis=-1)
-        out_BTNH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS.astype(dtype),
-                              v_cache_BSKH).reshape(B, T, K * G, H)
-        x_BTD = x_BTD + jnp.einsum("btnh,nhd->btd", out_BTNH, p["wo"])
-        h_BTD = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
-        mlp_BTF = jax.nn.silu(h_BTD @ p["w_gate"]) * (h_BTD @ p["w_up"])
-        return x_BTD + mlp_BTF @ p["w_down"], (k_cache_BSKH, v_cache_BSKH)
+        out_BTNH, _ = A.dense(q_BTNH, k_cache_BSKH, v_cache_BSKH, q_offset=pos)
+        x_BTD = x_BTD + matmul_2d(out_BTNH, p["wo"], ("act_embed",))
+        return x_BTD + mlp(rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps), p), (k_cache_BSKH,
+                                                                                v_cache_BSKH)
 
     x_BTD, (k, v) = jax.lax.scan(block, x_BTD, (params["layers"], cache["k"], cache["v"]))
     logits_BTV = rms_norm(x_BTD, top["final_norm"], cfg.norm_eps) @ top["head"]
-    return logits_BTV.astype(jnp.float32), {"k": k, "v": v, "pos": pos + T}
+    return logits_BTV.astype(jnp.float32), {"k": k, "v": v, "pos": pos + tokens_BT.shape[1]}
 
 
 def loss_fn(params: dict, tokens_BT1, cfg: ModelConfig):

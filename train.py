@@ -37,7 +37,7 @@ from cli import UserError, command, parse
 from config import PRESETS, TrainConfig, check_same_run, load_config
 from data import TokenData
 from distributed import check_fits, make_mesh, process_rows, say, start_distributed
-from model import count_params, decay_mask, flops_per_token, loss_fn
+from model import count_params, decay_mask, flops_per_token, logical_to_spec, loss_fn
 from optim import lr_schedule, make_optimizer, opt_metrics
 from export import load_hf
 from report import event_report, plot, read_metrics
@@ -132,10 +132,14 @@ def make_eval_step(cfg: TrainConfig):
         lambda tokens_BT1: loss_fn(params, tokens_BT1, cfg.model)[1]["ce"], tokens_CBT1)))
 
 
+BATCH = logical_to_spec(("batch", "seq"))  # a token batch [B, T+1]
+BATCHES = P(None, *BATCH)  # [C, B, T+1]: C batches, each split as BATCH
+
+
 def put_held_out(data: TokenData, mesh, rows: slice = slice(None)) -> jax.Array:
     """The held-out set on the mesh, each batch split over "data" like a training batch."""
     C, _, T1 = (local := data.held_out_batches(rows)).shape
-    return jax.make_array_from_process_local_data(jax.NamedSharding(mesh, P(None, "data")),
+    return jax.make_array_from_process_local_data(jax.NamedSharding(mesh, BATCHES),
                                                   local, (C, data.cfg.batch_size, T1))
 
 
@@ -310,7 +314,7 @@ def train(cfg: TrainConfig, devices=None) -> dict:
 
 def run_loop(cfg, tx, state, data, mesh, mngr, run_dir) -> dict:
     train_step, eval_step = make_train_step(cfg, tx), make_eval_step(cfg)
-    batch_sharding = jax.NamedSharding(mesh, P("data"))
+    batch_sharding = jax.NamedSharding(mesh, BATCH)
     rows = process_rows(batch_sharding, cfg.data.batch_size)
 
     def put(tokens):
