@@ -32,6 +32,7 @@ import orbax.checkpoint as ocp
 from jax import P
 from jax.experimental import multihost_utils
 
+import compat
 from cli import UserError
 from model import ModelConfig, init_params, logical_to_spec, param_table
 
@@ -162,20 +163,22 @@ def save_checkpoint(mngr, step: int, state, config: dict) -> None:
 def restore_checkpoint(mngr, step: int, target) -> dict:
     """The train state saved at `step`, restored straight into the shardings `target` carries
     (whatever mesh wrote it). A checkpoint in an earlier layout of the state is mapped onto
-    today's leaf by leaf (`earlier_layout`)."""
+    today's leaf by leaf (compat.py)."""
     def restore(item):
         return mngr.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(item)))["state"]
     stored = mngr.item_metadata(step)["state"]
     want = {names(p): t for p, t in jax.tree_util.tree_leaves_with_path(target)}
-    have = {names(p): earlier_layout(names(p)) for p, _ in
-            jax.tree_util.tree_leaves_with_path(stored)}
-    if set(have) == set(want):
+    stored_names = [names(p) for p, _ in jax.tree_util.tree_leaves_with_path(stored)]
+    if set(stored_names) == set(want):
         return restore(target)
+    have = {} if compat.is_layout_3(stored_names) else {
+        n: compat.current_leaf(n, set(want)) for n in stored_names}
     mapped = {n for n in have.values() if n is not None}
-    if mapped - set(want) or set(want) - mapped - ADDED:
-        raise ValueError(f"the checkpoint's leaves {sorted(set(have) - set(want))} do not "
-                         f"match the train state's {sorted(set(want) - set(have))}")
+    missing = {n for n in set(want) - mapped if not compat.starts_at_zero(n)}
+    if not have or mapped - set(want) or missing:
+        raise ValueError(f"the checkpoint's leaves {sorted(set(stored_names) - set(want))} do "
+                         f"not match the train state's {sorted(set(want) - set(stored_names))}")
     replicated = jax.NamedSharding(next(iter(want.values())).sharding.mesh, P())
     item = jax.tree_util.tree_map_with_path(  # the stored layout, in the target's shardings
         lambda p, m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=want[have[names(p)]].sharding
@@ -189,21 +192,6 @@ def restore_checkpoint(mngr, step: int, target) -> dict:
 def names(path) -> tuple[str, ...]:
     """A key path as plain names: ("opt_state", "0", "inner_state", "1", "mu", "embed")."""
     return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
-# Leaves of today's train state that a checkpoint of an earlier version lacks; they start at 0.
-ADDED = {("opt_state", "0", "skipped_in_a_row")}
-
-
-def earlier_layout(leaf: tuple[str, ...]) -> tuple[str, ...] | None:
-    """Where a leaf of a checkpoint written by an earlier version lives today (None: dropped).
-    Before the learning rate moved out of skip-step (see optim.py), the optimizer state was
-    skip-step's own, and its last inner piece counted the LR schedule's steps: that count is
-    dropped (the global step drives the schedule now), the rest moves under chain element 0."""
-    if leaf[:1] != ("opt_state",) or leaf[1] in ("0", "1"):
-        return leaf
-    return None if leaf == ("opt_state", "inner_state", "4", "count") else ("opt_state", "0",
-                                                                           *leaf[1:])
 
 
 def check_run_dir(run_dir: pathlib.Path, resume_step: int | None = None) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 
 from checkpoint import read_config, saved_steps
 from cli import UserError
+from compat import RENAMED
 from data import DataConfig
 from distributed import DistConfig, MeshConfig
 from model import ModelConfig
@@ -64,9 +65,6 @@ RESUMABLE = {"run_dir", "log_every", "eval_every", "checkpoint_every", "keep_che
              "dist.coordinator", "dist.num_processes", "dist.process_id", "dist.auto",
              "dist.timeout", "wandb.project", "wandb.name", "wandb.mode", "wandb.timeout",
              "model.attention", "model.attention_block"}  # same math, another implementation
-# Names a config.json written by an earlier version may use, and what they are called now.
-RENAMED = {"data.skip_steps": "data.replace_batches",
-           "max_consecutive_skips": "max_consecutive_nonfinite"}
 
 PRESETS = {
     "cpu": TrainConfig(model=ModelConfig(scan_layers=False)),  # 4 layers: unrolled is faster

@@ -134,32 +134,87 @@ def _record(history, count, value, write):
 
 
 # ---------------------------------------------------------------------------------------------
-# Skip-step
+# What each transformation reports: one small NamedTuple per transformation, kept in its state
+# and read by type (opt_metrics), so that the metrics never depend on how the chain is nested.
+
+class NonfiniteMetrics(NamedTuple):
+    refused: jax.Array  # the loss, grad norm or update was non-finite: nothing was applied
+    grad_norm: jax.Array  # global grad norm, before any clipping
+    update_norm: jax.Array  # global norm of what was applied, before the LR (0 if nothing)
+
+
+class OutlierMetrics(NamedTuple):
+    skipped: jax.Array  # an outlier: nothing was applied
+    loss_threshold: jax.Array  # mean + sigma * std of the loss history (+inf until armed)
+    grad_norm_threshold: jax.Array
+
+
+class UpdateClipMetrics(NamedTuple):
+    norm_before: jax.Array  # global update norm before the clip (Adam's step, before the LR)
+    norm_after: jax.Array
+    threshold: jax.Array
+
+
+METRICS = (NonfiniteMetrics, OutlierMetrics, UpdateClipMetrics)
+
+
+def _zeros(cls):
+    return cls(*(jnp.zeros((), jnp.bool_ if name in ("refused", "skipped") else jnp.float32)
+                 for name in cls._fields))
+
+
+# ---------------------------------------------------------------------------------------------
+# The non-finite guard (always on)
+
+class NonfiniteState(NamedTuple):
+    inner_state: optax.OptState
+    metrics: NonfiniteMetrics
+
+
+def refuse_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """A step whose loss, gradient or update is non-finite applies nothing: a zero update, and
+    `inner`'s state (Adam moments and count, skip and clip histories, their metrics) kept
+    exactly as it was. Always on: a NaN step is never applied. Needs the loss:
+    `tx.update(grads, state, params, loss=loss)`."""
+    def init(params):
+        return NonfiniteState(inner.init(params), _zeros(NonfiniteMetrics))
+
+    def update(grads, state, params=None, *, loss, **extra):
+        grad_norm = optax.tree.norm(grads)
+        new_updates, new_inner = inner.update(grads, state.inner_state, params, loss=loss,
+                                              **extra)
+        update_norm = optax.tree.norm(new_updates)
+        refused = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm))
+        updates = jax.tree.map(lambda u: jnp.where(refused, jnp.zeros_like(u), u), new_updates)
+        inner_state = jax.tree.map(lambda new, old: jnp.where(refused, old, new),
+                                   new_inner, state.inner_state)
+        metrics = NonfiniteMetrics(refused, grad_norm, jnp.where(refused, 0.0, update_norm))
+        return updates, NonfiniteState(inner_state, metrics)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+# ---------------------------------------------------------------------------------------------
+# Skip-step (optional)
 
 class SkipStepState(NamedTuple):
     inner_state: optax.OptState
     loss_history: jax.Array  # [window]
     grad_norm_history: jax.Array  # [window], pre-clip global grad norms
     count: jax.Array  # entries ever recorded
-    skipped_in_a_row: jax.Array  # outlier skips since the last applied step
-    # What the last step saw, for the metrics:
-    skipped: jax.Array
-    grad_norm: jax.Array
-    loss_threshold: jax.Array
-    grad_norm_threshold: jax.Array
+    outliers_in_a_row: jax.Array  # outlier skips since the last applied step
+    metrics: OutlierMetrics
 
 
 def skip_step(inner: optax.GradientTransformation, window: int = 128, sigma: float = 6.0,
-              enabled: bool = True, patience: int = 32
-              ) -> optax.GradientTransformationExtraArgs:
+              patience: int = 32) -> optax.GradientTransformationExtraArgs:
     """OLMo-2-style outlier skipping around a whole optimizer (OLMo-core `SkipStepAdamW`,
     Levanter `skip_bad_steps`).
 
     Keeps the last `window` losses and pre-clip global grad norms. Once `window // 2` are recorded,
     a step whose loss or grad norm exceeds mean + sigma * std of that history is skipped: a zero
     update, and `inner`'s state (Adam moments, Adam count, clip histories) kept exactly as it was.
-    A step whose loss, grad norm or update is non-finite is always skipped. With `enabled=False`
-    only that non-finite rule acts: a NaN step is never applied.
+    Non-finite steps are the job of `refuse_nonfinite`, which make_optimizer puts around this.
 
     Where this differs from the anchors, and why:
     - A skipped outlier enters the history *clipped to the threshold*. OLMo-core and Levanter
@@ -167,8 +222,8 @@ def skip_step(inner: optax.GradientTransformation, window: int = 128, sigma: flo
       the rule: a later +2-nat poisoned batch slips under the raised threshold and is applied.
     - A non-finite value is not recorded at all (the anchors record it; one NaN then makes the
       threshold NaN and disables the rule for a whole window).
-    - After `patience` outlier skips in a row the rule concludes the level itself has moved (a
-      genuine shift, e.g. a new data mixture): that step is applied and the history starts over
+    - After `patience` outlier skips in a row the rule concludes that the loss has settled at
+      a new level (e.g. a new data mixture): that step is applied and the history starts over
       from it (re-armed after window // 2 new steps). Clipped recording alone would let the
       threshold creep up only slowly, and a run could stall, skipping every step for good.
 
@@ -176,65 +231,49 @@ def skip_step(inner: optax.GradientTransformation, window: int = 128, sigma: flo
     """
     def init(params):
         z = jnp.zeros((window,), jnp.float32)
-        f0, i0 = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
-        return SkipStepState(inner.init(params), z, z, i0, i0, jnp.zeros((), jnp.bool_),
-                             f0, f0, f0)
+        i0 = jnp.zeros((), jnp.int32)
+        return SkipStepState(inner.init(params), z, z, i0, i0, _zeros(OutlierMetrics))
 
     def update(grads, state, params=None, *, loss, **extra):
         grad_norm = optax.tree.norm(grads)
         loss = jnp.asarray(loss, jnp.float32)
         new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra)
-        finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-                  & jnp.isfinite(optax.tree.norm(new_updates)))
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         loss_thr = _history_threshold(state.loss_history, state.count, sigma)
         gn_thr = _history_threshold(state.grad_norm_history, state.count, sigma)
-        outlier = ((loss > loss_thr) | (grad_norm > gn_thr)) & finite & enabled
-        shifted = outlier & (state.skipped_in_a_row >= patience)  # accept the new level
-        skipped = ~finite | (outlier & ~shifted)
+        outlier = ((loss > loss_thr) | (grad_norm > gn_thr)) & finite
+        settled = outlier & (state.outliers_in_a_row >= patience)  # accept the new level
+        skipped = outlier & ~settled
 
         updates = jax.tree.map(lambda u: jnp.where(skipped, jnp.zeros_like(u), u), new_updates)
         inner_state = jax.tree.map(lambda new, old: jnp.where(skipped, old, new),
                                    new_inner, state.inner_state)
-        count = jnp.where(shifted, 0, state.count)  # a shift: the history starts over
+        count = jnp.where(settled, 0, state.count)  # a new level: the history starts over
 
         def recorded(value, threshold):  # a skipped outlier enters clipped to the threshold
             return jnp.where(skipped, jnp.minimum(value, threshold), value)
         loss_hist, _ = _record(state.loss_history, count, recorded(loss, loss_thr), finite)
         gn_hist, count = _record(state.grad_norm_history, count, recorded(grad_norm, gn_thr),
                                  finite)
-        in_a_row = jnp.where(outlier & ~shifted, state.skipped_in_a_row + 1,
-                             jnp.where(finite, 0, state.skipped_in_a_row))
+        in_a_row = jnp.where(skipped, state.outliers_in_a_row + 1,
+                             jnp.where(finite, 0, state.outliers_in_a_row))
         return updates, SkipStepState(inner_state, loss_hist, gn_hist, count, in_a_row,
-                                      skipped, grad_norm, loss_thr, gn_thr)
+                                      OutlierMetrics(skipped, loss_thr, gn_thr))
 
     return optax.GradientTransformationExtraArgs(init, update)
 
 
 # ---------------------------------------------------------------------------------------------
-# Update clipping. Both kinds (and `track_update_norm`, for "off") share one state that keeps
-# the global update norm before and after, so the metrics read the same fields whatever is on.
+# Update clipping (optional), two kinds
 
-class UpdateClipState(NamedTuple):
-    history: jax.Array  # [window] unclipped update norms (unused, size 1, but for "norm")
+class UpdateNormClipState(NamedTuple):
+    history: jax.Array  # [window] unclipped update norms
     count: jax.Array
-    norm_before: jax.Array
-    norm_after: jax.Array
-    threshold: jax.Array
+    metrics: UpdateClipMetrics
 
 
-def _clip_state(window: int) -> UpdateClipState:
-    f0 = jnp.zeros((), jnp.float32)
-    return UpdateClipState(jnp.zeros((window,), jnp.float32), jnp.zeros((), jnp.int32),
-                           f0, f0, f0)
-
-
-def track_update_norm() -> optax.GradientTransformation:
-    """No clipping; only records the update norm for the metrics."""
-    def update(updates, state, params=None):
-        norm = optax.tree.norm(updates)
-        return updates, state._replace(norm_before=norm, norm_after=norm,
-                                       threshold=jnp.asarray(jnp.inf, jnp.float32))
-    return optax.GradientTransformation(lambda _: _clip_state(1), update)
+class UpdateRmsClipState(NamedTuple):
+    metrics: UpdateClipMetrics
 
 
 def clip_update_norm(window: int = 128, sigma: float = 2.0) -> optax.GradientTransformation:
@@ -243,14 +282,19 @@ def clip_update_norm(window: int = 128, sigma: float = 2.0) -> optax.GradientTra
     Scales the global update down to mean + sigma * std of the last `window` update norms, once
     `window // 2` are recorded; the *unclipped* norm goes into the history. Non-finite norms are
     not recorded."""
+    def init(params):
+        return UpdateNormClipState(jnp.zeros((window,), jnp.float32), jnp.zeros((), jnp.int32),
+                                   _zeros(UpdateClipMetrics))
+
     def update(updates, state, params=None):
         norm = optax.tree.norm(updates)
         threshold = _history_threshold(state.history, state.count, sigma)
         scale = jnp.minimum(1.0, threshold / jnp.maximum(norm, 1e-30))
         updates = jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates)
         history, count = _record(state.history, state.count, norm, jnp.isfinite(norm))
-        return updates, UpdateClipState(history, count, norm, norm * scale, threshold)
-    return optax.GradientTransformation(lambda _: _clip_state(window), update)
+        return updates, UpdateNormClipState(history, count,
+                                            UpdateClipMetrics(norm, norm * scale, threshold))
+    return optax.GradientTransformation(init, update)
 
 
 def clip_update_rms(threshold: float = 1.0, stacked=lambda path: False
@@ -267,9 +311,10 @@ def clip_update_rms(threshold: float = 1.0, stacked=lambda path: False
     def update(updates, state, params=None):
         before = optax.tree.norm(updates)
         updates = jax.tree_util.tree_map_with_path(clip, updates)
-        return updates, state._replace(norm_before=before, norm_after=optax.tree.norm(updates),
-                                       threshold=jnp.asarray(threshold, jnp.float32))
-    return optax.GradientTransformation(lambda _: _clip_state(1), update)
+        return updates, UpdateRmsClipState(UpdateClipMetrics(
+            before, optax.tree.norm(updates), jnp.asarray(threshold, jnp.float32)))
+    return optax.GradientTransformation(lambda _: UpdateRmsClipState(_zeros(UpdateClipMetrics)),
+                                        update)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,23 +332,20 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, decay_mask
         direction = optax.scale_by_adam(cfg.b1, cfg.b2, cfg.eps)
     else:
         direction = muon_with_adam(cfg, decay_mask)
-    if cfg.update_clip == "norm":
-        update_clip = clip_update_norm(cfg.update_clip_window, cfg.update_clip_sigma)
-    elif cfg.update_clip == "rms":
-        update_clip = clip_update_rms(cfg.update_rms_threshold, stacked=is_stacked)
-    else:
-        update_clip = track_update_norm()
     grad_clip = (optax.clip_by_global_norm(cfg.max_grad_norm) if cfg.max_grad_norm > 0
                  else optax.identity())
+    update_clip = {"norm": [clip_update_norm(cfg.update_clip_window, cfg.update_clip_sigma)],
+                   "rms": [clip_update_rms(cfg.update_rms_threshold, stacked=is_stacked)],
+                   "off": []}[cfg.update_clip]
     inner = optax.chain(
         grad_clip,
         direction,
         optax.add_decayed_weights(cfg.weight_decay, decay_mask),
-        update_clip,
+        *update_clip,
     )
-    return optax.chain(skip_step(inner, cfg.skip_window, cfg.skip_sigma,
-                                 enabled=cfg.skip_step, patience=cfg.skip_patience),
-                       scale_by_schedule_at_step(schedule))
+    if cfg.skip_step:
+        inner = skip_step(inner, cfg.skip_window, cfg.skip_sigma, patience=cfg.skip_patience)
+    return optax.chain(refuse_nonfinite(inner), scale_by_schedule_at_step(schedule))
 
 
 def scale_by_schedule_at_step(schedule) -> optax.GradientTransformationExtraArgs:
@@ -363,25 +405,26 @@ def gathered(inner: optax.GradientTransformation) -> optax.GradientTransformatio
     return optax.GradientTransformation(inner.init, update)
 
 
-def opt_metrics(opt_state, cfg: OptimConfig) -> dict:
-    """What the optimizer saw on its last step, for the metrics: read by field name from its
-    state (`optax.tree.get` finds a field wherever the chain nests it), nothing recomputed.
-    Empty for an optimizer built elsewhere (no skip-step state)."""
-    skipped = optax.tree.get(opt_state, "skipped")
-    if skipped is None:
-        return {}
-    grad_norm = optax.tree.get(opt_state, "grad_norm")  # before clipping
-
-    def applied(x):  # a skipped step applied nothing; its rolled-back state holds stale norms
-        return jnp.where(skipped, jnp.zeros_like(x), x)
-    return {
-        "grad_norm": grad_norm,
-        "grad_norm_clipped": (jnp.minimum(grad_norm, cfg.max_grad_norm) if cfg.max_grad_norm > 0
-                              else grad_norm),
-        "update_norm": applied(optax.tree.get(opt_state, "norm_before")),  # before update clip
-        "update_norm_clipped": applied(optax.tree.get(opt_state, "norm_after")),
-        "update_clip_threshold": optax.tree.get(opt_state, "threshold"),
-        "skipped": skipped.astype(jnp.int32),
-        "skip_loss_threshold": optax.tree.get(opt_state, "loss_threshold"),
-        "skip_grad_norm_threshold": optax.tree.get(opt_state, "grad_norm_threshold"),
-    }
+def opt_metrics(opt_state, max_grad_norm: float = 0.0) -> dict:
+    """What the optimizer saw on its last step, for the metrics: each transformation's metrics
+    NamedTuple, found by type wherever the chain keeps it; nothing recomputed. A step that
+    applied nothing (refused or skipped) left the inner states, their metrics included, as they
+    were: its update norms are reported as 0. `max_grad_norm`: the clip (0 = none)."""
+    found = {type(m): m for m in jax.tree.leaves(
+        opt_state, is_leaf=lambda x: isinstance(x, METRICS)) if isinstance(m, METRICS)}
+    guard = found[NonfiniteMetrics]
+    skipped = guard.refused
+    out = {"grad_norm": guard.grad_norm,
+           "grad_norm_clipped": (jnp.minimum(guard.grad_norm, max_grad_norm) if max_grad_norm > 0
+                                 else guard.grad_norm),
+           "update_norm": guard.update_norm, "update_norm_clipped": guard.update_norm}
+    if OutlierMetrics in found:
+        o = found[OutlierMetrics]
+        skipped = skipped | o.skipped
+        out |= {"skip_loss_threshold": o.loss_threshold,
+                "skip_grad_norm_threshold": o.grad_norm_threshold}
+    if UpdateClipMetrics in found:
+        c = found[UpdateClipMetrics]
+        out |= {"update_norm": jnp.where(skipped, 0.0, c.norm_before),
+                "update_clip_threshold": c.threshold}
+    return out | {"skipped": skipped.astype(jnp.int32)}

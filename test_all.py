@@ -25,6 +25,7 @@ import pytest  # noqa: E402
 
 import attention as A  # noqa: E402
 import checkpoint as C  # noqa: E402
+import compat  # noqa: E402
 import config as CF  # noqa: E402
 import data as D  # noqa: E402
 import export as E  # noqa: E402
@@ -275,9 +276,11 @@ def numpy_skip_rule(losses, grad_norms, window, sigma, patience=32, as_anchors=F
 
 
 def run_skip_step(losses, grad_scales, window=16, sigma=6.0, patience=32, inner=None):
-    """Drive skip_step(adam) on a 1-parameter problem with the given losses and grad norms."""
+    """Drive refuse_nonfinite(skip_step(adam)), as make_optimizer composes them, on a
+    1-parameter problem with the given losses and grad norms. Per step: skip-step's state
+    before and after, the update, and whether the step applied nothing."""
     inner = inner or optax.chain(optax.scale_by_adam(), optax.scale(-0.1))
-    tx = O.skip_step(inner, window, sigma, patience=patience)
+    tx = O.refuse_nonfinite(O.skip_step(inner, window, sigma, patience=patience))
     params = {"w": jnp.ones(3)}
     state = tx.init(params)
     update = jax.jit(tx.update)
@@ -287,7 +290,8 @@ def run_skip_step(losses, grad_scales, window=16, sigma=6.0, patience=32, inner=
         before = state
         updates, state = update(grads, state, params, loss=loss)
         params = optax.apply_updates(params, updates)
-        history.append((before, state, updates, bool(state.skipped)))
+        skipped = bool(state.metrics.refused | state.inner_state.metrics.skipped)
+        history.append((before.inner_state, state.inner_state, updates, skipped))
     return history
 
 
@@ -340,7 +344,7 @@ def test_a_skipped_outlier_does_not_blind_the_rule_to_the_next_one():
     assert [i for i, s in enumerate(numpy_skip_rule(losses, grads, 32, 6.0, as_anchors=True))
             if s] == [40]
     recorded = np.asarray(history[40][1].loss_history)[40 % 32]
-    assert recorded == pytest.approx(float(history[40][1].loss_threshold))  # clipped
+    assert recorded == pytest.approx(float(history[40][1].metrics.loss_threshold))  # clipped
 
 
 def test_a_permanent_shift_of_the_loss_level_is_accepted_within_the_patience():
@@ -359,11 +363,18 @@ def test_a_step_whose_update_is_nonfinite_is_skipped():
         return jax.tree.map(lambda u: jnp.where(u > 2, jnp.inf, u), updates), state
     inner = optax.chain(optax.GradientTransformation(lambda p: optax.EmptyState(), overflow),
                         optax.scale_by_adam(), optax.scale(-0.1))
-    history = run_skip_step([3.0] * 6, [1.0, 1.0, 1.0, 10.0, 1.0, 1.0], inner=inner)
-    assert [h[-1] for h in history] == [False, False, False, True, False, False]
-    assert float(history[3][1].grad_norm) == pytest.approx(10.0)  # loss and grad were finite
-    assert float(jnp.abs(history[3][2]["w"]).max()) == 0.0
-    assert_trees_equal(history[3][0].inner_state, history[3][1].inner_state)
+    tx = O.refuse_nonfinite(inner)  # on its own: it needs no skip-step
+    params, state = {"w": jnp.ones(3)}, tx.init({"w": jnp.ones(3)})
+    history = []
+    for g in [1.0, 1.0, 1.0, 10.0, 1.0, 1.0]:
+        before = state
+        updates, state = tx.update({"w": jnp.full(3, g / np.sqrt(3))}, state, params, loss=3.0)
+        history.append((before, state, updates))
+    assert [bool(h[1].metrics.refused) for h in history] == [0, 0, 0, 1, 0, 0]
+    before, after, updates = history[3]
+    assert float(after.metrics.grad_norm) == pytest.approx(10.0)  # loss and grad were finite
+    assert float(jnp.abs(updates["w"]).max()) == 0.0 == float(after.metrics.update_norm)
+    assert_trees_equal(before.inner_state, after.inner_state)
 
 
 def test_the_update_norm_clip_scales_to_its_rolling_threshold():
@@ -376,13 +387,13 @@ def test_the_update_norm_clip_scales_to_its_rolling_threshold():
         hist = np.array(norms[max(0, i - 4):i])
         if i >= 2:
             thr = hist.mean() + 2.0 * hist.std(ddof=1)
-            assert float(new.threshold) == pytest.approx(thr, rel=1e-6)
+            assert float(new.metrics.threshold) == pytest.approx(thr, rel=1e-6)
             expect = min(n, thr)
         else:
-            assert np.isinf(float(new.threshold))
+            assert np.isinf(float(new.metrics.threshold))
             expect = n
         assert float(optax.tree.norm(out)) == pytest.approx(expect, rel=1e-6)
-        assert float(new.norm_before) == pytest.approx(n)
+        assert float(new.metrics.norm_before) == pytest.approx(n)
         state = new
     assert float(np.asarray(state.history)[4 % 4]) == pytest.approx(5.0)  # unclipped recorded
 
@@ -874,27 +885,49 @@ def test_damaged_checkpoint_names_the_step_and_falls_back_on_request(damage, str
     assert any(p.name.startswith("superseded-") for p in run.iterdir())  # damaged one kept
 
 
-def test_a_checkpoint_written_before_the_split_restores_and_resumes_bitwise(tmp_path):
-    """testdata/pre-split-run was written by the code before train.py was split (and before
-    --data.skip-steps / --max-consecutive-skips were renamed) with the command below: its
-    step-2 checkpoint resumes to step 4, in a process like the one that wrote it, with
-    parameters and optimizer state bitwise equal to the step-4 checkpoint it holds."""
-    import shutil
-    old = HERE / "testdata" / "pre-split-run"
+@pytest.mark.parametrize("name, flags", [
+    ("pre-split-run", ["--optim.skip-step", "--optim.update-clip", "norm"]),
+    ("layout-2-run", [])])
+def test_a_checkpoint_of_an_earlier_layout_restores_exactly_and_resumes(name, flags, tmp_path):
+    """testdata/pre-split-run was written by the code before train.py was split (layout 1 of
+    compat.py; and before --data.skip-steps / --max-consecutive-skips were renamed),
+    testdata/layout-2-run by the code of the second wave (layout 2: skip-step's state always
+    present, an update-clip state while the clip was off), each with the command below. The
+    step-2 checkpoint restores leaf for leaf, bit for bit, into today's state, and resumes to
+    step 4 with parameters and optimizer state equal to the step-4 checkpoint it holds -- to
+    float32 rounding: XLA's CPU kernels differ between processors, so a run written on
+    another machine is not bitwise repeatable here."""
+    import orbax.checkpoint as ocp
+    old = HERE / "testdata" / name
     run = tmp_path / "run"
     shutil.copytree(old, run)
     shutil.rmtree(run / "checkpoints" / "4")
+    cfg = dataclasses.replace(CF.load_config(old), run_dir=str(old))
+    raw = C.checkpoint_manager(old, read_only=True).restore(2, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore()))["state"]
+    restored = {C.names(p): x for p, x in jax.tree_util.tree_leaves_with_path(
+        restore_final(cfg, 2))}
+    carried = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(raw):
+        today = compat.current_leaf(C.names(path), set(restored))
+        if today is not None:
+            np.testing.assert_array_equal(np.asarray(restored[today]), np.asarray(x))
+            carried += 1
+    assert carried == len([n for n in restored if not compat.starts_at_zero(n)])
     out = subprocess.run([sys.executable, "train.py", "tiny", "--model.d-model", "32",
-                          "--model.d-ff", "64", "--optim.skip-step", "--optim.update-clip",
-                          "norm", "--steps", "4", "--checkpoint-every", "2", "--eval-every", "2",
-                          "--log-every", "2", "--run-dir", str(run),
-                          "--model.attention", "dense"],  # the form that wrote it: bitwise
+                          "--model.d-ff", "64", *flags, "--steps", "4", "--checkpoint-every", "2",
+                          "--eval-every", "2", "--log-every", "2", "--run-dir", str(run),
+                          "--model.attention", "dense"],  # the form that wrote it
                          cwd=HERE, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "at step 2" in out.stdout, out.stdout + out.stderr
-    cfg = dataclasses.replace(CF.load_config(old), run_dir=str(run))
-    assert cfg.steps == 4 and cfg.max_consecutive_nonfinite == 20
-    assert_trees_equal(restore_final(cfg, 4),
-                       restore_final(dataclasses.replace(cfg, run_dir=str(old)), 4))
+    resumed = dataclasses.replace(cfg, run_dir=str(run))
+    assert resumed.steps == 4 and resumed.max_consecutive_nonfinite == 20
+    expected = restore_final(cfg, 4)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(restore_final(resumed, 4)),
+                            jax.tree.leaves(expected)):
+        if not compat.starts_at_zero(C.names(path)):  # the metrics are new since
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-7,
+                                       err_msg=str(path))
 
 
 # ---------------------------------------------------------------------------------------------

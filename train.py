@@ -112,7 +112,7 @@ def make_train_step(cfg: TrainConfig, tx):
         updates, opt_state = tx.update(grads, state["opt_state"], params, loss=loss,
                                        step=state["step"])
         metrics = {"loss": loss, "lr": schedule(state["step"]), **aux,
-                   **opt_metrics(opt_state, cfg.optim)}
+                   **opt_metrics(opt_state, cfg.optim.max_grad_norm)}
         if cfg.per_layer_metrics:  # Marin saw update spikes larger in the lower layers
             metrics["grad_norm_per_layer"] = per_layer_norms(grads)
             metrics["update_norm_per_layer"] = per_layer_norms(updates)

@@ -1,0 +1,294 @@
+"""The story search: which small regime learns first and then spikes? Every configuration tried,
+with its outcome, goes to results/search.json.
+
+    python search.py                     # run the groups not yet in results/search.json
+    python search.py --list              # the groups and whether each is done
+    python search.py --summary           # the table of outcomes (no training)
+
+A *group* is one compiled train step over several *members* (learning rates x seeds) stacked
+with `jax.vmap`, stepped `chunk` steps at a time inside one `lax.scan`: one dispatch and one
+host read per chunk instead of per step, and the small matmuls of a d_model-64 model batched
+into larger ones. Each member is an ordinary run of train.py's math (model.loss_fn and
+optim.make_optimizer) with its own init seed and data seed; only the learning rate is applied
+outside the optimizer (a constant schedule at peak 1, times the member's LR), so that one
+compiled step serves every LR of the grid.
+
+The outcome of each member is judged by report.py's fixed rules (the one-step spike rule and the
+level-shift rule, at their defaults: never tuned here), counted after the step S1 at which the
+run is compared with the QK-Norm run of the same group settings.
+"""
+
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from cli import UserError, command
+from config import PRESETS
+from data import TokenData
+from model import decay_mask, init_params, loss_fn
+from optim import make_optimizer, opt_metrics
+from report import find_shifts, find_spikes
+
+OUT = pathlib.Path("results/search.json")
+CURVES = pathlib.Path("results/search")
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One compiled step: the settings every member shares, and the grid of LRs x seeds."""
+    name: str
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    qk_norm: bool = False
+    batch_size: int = 16
+    seq_len: int = 128
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    z_loss_weight: float = 1e-4
+    warmup_steps: int = 100
+    steps: int = 2000
+    lrs: tuple[float, ...] = (1e-2,)
+    seeds: tuple[int, ...] = (0, 1, 2)
+
+    def config(self):
+        base = PRESETS["spiky-long"]
+        model = dataclasses.replace(
+            base.model, d_model=self.d_model, d_ff=round(8 / 3 * self.d_model / 4) * 4,
+            n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
+            qk_norm=self.qk_norm, z_loss_weight=self.z_loss_weight, attention="auto")
+        optim = dataclasses.replace(base.optim, lr=1.0, b2=self.b2, eps=self.eps,
+                                    weight_decay=self.weight_decay,
+                                    warmup_steps=self.warmup_steps, max_grad_norm=0.0,
+                                    min_lr_ratio=1.0)
+        data = dataclasses.replace(base.data, batch_size=self.batch_size, seq_len=self.seq_len,
+                                   eval_sequences=64)
+        return dataclasses.replace(base, model=model, optim=optim, data=data, steps=self.steps)
+
+    def settings(self) -> dict:
+        d = dataclasses.asdict(self)
+        return {k: v for k, v in d.items() if k not in ("name", "lrs", "seeds")}
+
+
+def twin(g: Group, **kw) -> Group:
+    """The group's QK-Norm twin (the comparison the story needs)."""
+    return dataclasses.replace(g, name=g.name + "-qk", qk_norm=True, **kw)
+
+
+# The search, in the order it was run. The notes say why each group was tried. A QK-Norm twin
+# ("-qk") runs once its baseline shows spikes worth comparing.
+GROUPS = [
+    # d_model 64 at moderate LRs (3e-2 collapses within ~100 steps), beta2 0.95, 2,000 steps.
+    Group("d64-b2.95", lrs=(6e-3, 1e-2, 1.5e-2, 2e-2)),
+    # A stale second moment (beta2 0.999) and a tiny eps (Molybog et al., Bai et al.).
+    Group("d64-b2.999-eps1e-15", b2=0.999, eps=1e-15, lrs=(6e-3, 1e-2, 1.5e-2, 2e-2)),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# The stacked trainer
+
+def member_grid(g: Group) -> list[tuple[float, int]]:
+    return [(lr, seed) for lr in g.lrs for seed in g.seeds]
+
+
+def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print) -> dict:
+    """Train every member of `g`; returns per-member arrays (loss, grad/update norms, max
+    logit per layer, held-out loss every `eval_every` steps)."""
+    cfg = g.config()
+    members = member_grid(g)
+    lr_M = jnp.array([lr for lr, _ in members], jnp.float32)
+    tx = make_optimizer(cfg.optim, cfg.steps, decay_mask(cfg.model))
+    mesh = jax.make_mesh((1, 1), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    jax.set_mesh(mesh)
+
+    def init(seed):
+        params = init_params(cfg.model, jax.random.key(seed))
+        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    def one_step(state, tokens_BT1, lr):
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state["params"], tokens_BT1, cfg.model)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"], loss=loss,
+                                       step=state["step"])
+        updates = jax.tree.map(lambda u: lr * u, updates)
+        om = opt_metrics(opt_state)
+        metrics = {"loss": loss, "grad_norm": om["grad_norm"], "update_norm": om["update_norm"],
+                   "attn_logit_max": aux["attn_logit_max"]}
+        return {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
+                "opt_state": opt_state}, metrics
+
+    def run_chunk(state, tokens_CMBT1):
+        return jax.lax.scan(lambda s, t: jax.vmap(one_step)(s, t, lr_M), state, tokens_CMBT1)
+
+    def evaluate(params, tokens_EBT1):
+        return jnp.mean(jax.lax.map(lambda t: loss_fn(params, t, cfg.model)[1]["ce"],
+                                    tokens_EBT1))
+
+    state = jax.jit(jax.vmap(init))(jnp.array([s for _, s in members]))
+    step_fn = jax.jit(run_chunk, donate_argnums=0)
+    eval_fn = jax.jit(jax.vmap(evaluate, in_axes=(0, None)))
+    datas = {s: TokenData(dataclasses.replace(cfg.data, seed=s)) for s in g.seeds}
+    held_out = jnp.asarray(datas[g.seeds[0]].held_out_batches())
+    out = {k: [] for k in ("loss", "grad_norm", "update_norm", "attn_logit_max")}
+    evals, t0 = [], time.time()
+    for c0 in range(0, g.steps, chunk):
+        tokens = np.stack([np.stack([datas[s].batch(c0 + i) for _, s in members])
+                           for i in range(chunk)])
+        state, metrics = step_fn(state, tokens)
+        for k, v in jax.device_get(metrics).items():  # [chunk, M, ...]
+            out[k].append(v)
+        if (c0 + chunk) % eval_every == 0 or c0 + chunk >= g.steps:
+            evals.append((c0 + chunk, np.asarray(eval_fn(state["params"], held_out))))
+            loss_now = np.mean(out["loss"][-1], axis=0)
+            log(f"  {g.name} step {c0 + chunk}/{g.steps}: train "
+                + " ".join(f"{x:.2f}" for x in loss_now) + f" ({time.time() - t0:.0f} s)")
+    arrays = {k: np.concatenate(v).swapaxes(0, 1) for k, v in out.items()}  # [M, steps, ...]
+    arrays["eval_step"] = np.array([s for s, _ in evals])
+    arrays["eval_loss"] = np.stack([e for _, e in evals], axis=1)  # [M, evals]
+    arrays["seconds"] = time.time() - t0
+    return arrays
+
+
+# ---------------------------------------------------------------------------------------------
+# Outcomes
+
+def events_after(loss, update_norm, after: int) -> tuple[int, int]:
+    """(one-step spikes, level shifts) starting at or after step `after`, by report.py's rules
+    at their defaults."""
+    m = {"step": np.arange(len(loss)), "loss": loss, "update_norm": update_norm}
+    return (sum(s.step >= after for s in find_spikes(m)),
+            sum(s.step >= after for s in find_shifts(m)))
+
+
+def outcomes(g: Group, a: dict) -> list[dict]:
+    rows = []
+    for i, (lr, seed) in enumerate(member_grid(g)):
+        loss = a["loss"][i].astype(np.float64)
+        m = {"step": np.arange(len(loss)), "loss": loss, "update_norm": a["update_norm"][i]}
+        spikes, shifts = find_spikes(m), find_shifts(m)
+        rows.append({
+            "group": g.name, "lr": lr, "seed": seed, **g.settings(),
+            "eval_step": a["eval_step"].tolist(),
+            "eval_loss": [round(float(x), 4) for x in a["eval_loss"][i]],
+            "spike_steps": [s.step for s in spikes],
+            "shift_steps": [s.step for s in shifts],
+            "max_attn_logit": float(np.nanmax(a["attn_logit_max"][i])),
+            "final_loss_100": float(np.nanmean(loss[-100:])),
+            "finite": bool(np.all(np.isfinite(loss))),
+        })
+    return rows
+
+
+def first_match(base: list[float], qk: list[float], steps: list[int], tol: float = 0.05):
+    """The last eval step S1 at which the baseline's held-out loss is within `tol` of the
+    QK-Norm run's (the baseline "learns like the QK-Norm run" up to S1); None if never."""
+    ok = [s for s, b, q in zip(steps, base, qk) if abs(b - q) <= tol]
+    return ok[-1] if ok else None
+
+
+def judge(rows: list[dict]) -> list[dict]:
+    """Per (baseline group, LR): S1, spikes after S1 per seed, the QK-Norm twin's spikes."""
+    by = {(r["group"], r["lr"], r["seed"]): r for r in rows}
+    verdicts = []
+    for (group, lr, seed), r in sorted(by.items()):
+        if group.endswith("-qk"):
+            continue
+        twin = by.get((group + "-qk", lr, seed))
+        s1 = twin and first_match(r["eval_loss"], twin["eval_loss"], r["eval_step"])
+        after = s1 if s1 is not None else 0
+        verdicts.append({
+            "group": group, "lr": lr, "seed": seed, "s1": s1,
+            "spikes_after_s1": sum(s >= after for s in r["spike_steps"]),
+            "shifts_after_s1": sum(s >= after for s in r["shift_steps"]),
+            "qk_spikes": len(twin["spike_steps"]) if twin else None,
+            "eval": r["eval_loss"][-1], "qk_eval": twin["eval_loss"][-1] if twin else None,
+            "max_logit": r["max_attn_logit"],
+        })
+    return verdicts
+
+
+def story_found(verdicts: list[dict], min_spikes: int = 3) -> list[tuple[str, float]]:
+    """(group, LR) where every seed has an S1 and >= min_spikes spikes after it."""
+    cells: dict = {}
+    for v in verdicts:
+        cells.setdefault((v["group"], v["lr"]), []).append(
+            v["s1"] is not None and v["spikes_after_s1"] >= min_spikes)
+    return [k for k, oks in cells.items() if len(oks) >= 3 and all(oks)]
+
+
+def summary(rows: list[dict]) -> str:
+    verdicts = judge(rows)
+    lines = [f"{'group':<24} {'lr':>7} {'seed':>4} {'S1':>5} {'spikes>S1':>9} {'shifts':>6} "
+             f"{'qk spikes':>9} {'held-out':>8} {'qk':>6} {'max logit':>9}"]
+    for v in verdicts:
+        lines.append(f"{v['group']:<24} {v['lr']:>7.0e} {v['seed']:>4} {str(v['s1']):>5} "
+                     f"{v['spikes_after_s1']:>9} {v['shifts_after_s1']:>6} "
+                     f"{str(v['qk_spikes']):>9} {v['eval']:>8.3f} "
+                     f"{v['qk_eval'] if v['qk_eval'] is None else round(v['qk_eval'], 3)!s:>6} "
+                     f"{v['max_logit']:>9.3g}")
+    found = story_found(verdicts)
+    lines.append("story regime found: " + (", ".join(f"{g} at LR {lr:g}" for g, lr in found)
+                                           if found else "none yet"))
+    return "\n".join(lines)
+
+
+def load() -> dict:
+    return json.loads(OUT.read_text()) if OUT.exists() else {"machine": {}, "groups": {}}
+
+
+def save(record: dict) -> None:
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    tmp = OUT.with_suffix(".json.partial")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(OUT)
+
+
+def run(groups: list[Group]) -> None:
+    record = load()
+    for g in groups:
+        if g.name in record["groups"]:
+            continue
+        print(f"{g.name}: {len(member_grid(g))} members, {g.steps} steps", flush=True)
+        a = train_group(g, log=lambda s: print(s, flush=True))
+        CURVES.mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(CURVES / f"{g.name}.npz", **{k: v for k, v in a.items()
+                                                          if k != "seconds"})
+        record["groups"][g.name] = {"settings": g.settings(), "lrs": list(g.lrs),
+                                    "seeds": list(g.seeds), "seconds": round(a["seconds"]),
+                                    "members": outcomes(g, a)}
+        save(record)
+        rows = [r for v in record["groups"].values() for r in v["members"]]
+        print(summary(rows), flush=True)
+
+
+def main(argv: list[str]) -> int:
+    names = [a for a in argv if not a.startswith("--")]
+    unknown = set(names) - {g.name for g in GROUPS}
+    if unknown:
+        raise UserError(f"unknown group {sorted(unknown)[0]!r}; python search.py --list")
+    groups = [g for g in GROUPS if not names or g.name in names]
+    record = load()
+    if "--list" in argv:
+        for g in groups:
+            print(f"{g.name:<28} {'done' if g.name in record['groups'] else 'to run'}")
+        return 0
+    if "--summary" in argv:
+        print(summary([r for v in record["groups"].values() for r in v["members"]]))
+        return 0
+    run(groups)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(command(main)(sys.argv[1:]))
