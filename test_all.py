@@ -610,8 +610,8 @@ def test_every_leaf_has_its_declared_sharding(sharded_runs):
         for k in name.split("/"):
             leaf = leaf[k]
         assert leaf.sharding.spec == M.logical_to_spec(spec.axes), name
-    adam = next(s for s in state["opt_state"][0].inner_state
-                if isinstance(s, optax.ScaleByAdamState))
+    adam = next(s for s in jax.tree.leaves(state["opt_state"], is_leaf=lambda x: isinstance(
+        x, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState))
     for moments in (adam.mu, adam.nu):
         assert moments["layers"]["wq"].sharding.spec == jax.P(None, "data", "model", None)
         assert moments["head"].sharding.spec == jax.P("data", "model")
