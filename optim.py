@@ -45,7 +45,7 @@ class OptimConfig:
     max_grad_norm: float = 1.0  # Marin tightened 1.0 -> 0.2 at ~56k; 0 turns clipping off
     warmup_steps: int = 100  # Marin 32B: 10,000
     decay: Literal["cosine", "linear"] = "cosine"
-    decay_fraction: float = 1.0  # decay over the last fraction of steps (Marin: linear, 0.4)
+    decay_fraction: float = 1.0  # decay over this fraction of the steps after warmup (Marin: 0.4)
     min_lr_ratio: float = 0.1  # decay to this fraction of the peak (Marin, OLMo 2: 0.1)
     rewarmup_start: int = -1  # first step of a re-warmup; -1 = none (Marin: 80,000)
     rewarmup_steps: int = 1000  # Marin: 1,000 steps
@@ -82,12 +82,14 @@ class OptimConfig:
 
 def lr_schedule(cfg: OptimConfig, total_steps: int):
     """Linear warmup -> hold -> decay (cosine or linear) over the last `decay_fraction` of the
-    run to `min_lr_ratio` * peak; then, if `rewarmup_start` >= 0, a re-warmup: from that step,
-    over `rewarmup_steps`, linearly from `rewarmup_from_ratio` * peak up to the base schedule
-    (the peak while it holds, as for Marin's 32B at step 80,000), then the base schedule on.
-    The schedule is a function of the global step, so it advances on skipped steps too."""
+    steps after warmup, to `min_lr_ratio` * peak (as Levanter: the decay never starts before
+    warmup ends, so the schedule is continuous there); then, if `rewarmup_start` >= 0, a
+    re-warmup: from that step, over `rewarmup_steps`, linearly from `rewarmup_from_ratio` * peak
+    up to the base schedule (the peak while it holds, as for Marin's 32B at step 80,000), then
+    the base schedule on. A function of the global step: it advances on skipped steps too."""
     peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
-    decay_steps = max(int(round(total_steps * cfg.decay_fraction)), 1)
+    after_warmup = max(total_steps - cfg.warmup_steps, 0)
+    decay_steps = max(int(round(after_warmup * cfg.decay_fraction)), 1)
     decay_start = total_steps - decay_steps
 
     def schedule(step):

@@ -414,11 +414,24 @@ def test_the_schedule_warms_up_holds_and_decays():
                         min_lr_ratio=0.1)
     s = O.lr_schedule(cfg, 100)
     assert float(s(0)) == pytest.approx(0.1) and float(s(9)) == pytest.approx(1.0)
-    assert float(s(30)) == pytest.approx(1.0)  # hold
-    assert float(s(75)) == pytest.approx(0.55)  # halfway down the last 50 steps
+    assert float(s(50)) == pytest.approx(1.0)  # hold
+    assert float(s(77.5)) == pytest.approx(0.55)  # halfway down the last 45 of the 90 steps
     assert float(s(100)) == pytest.approx(0.1)
     cos = O.lr_schedule(dataclasses.replace(cfg, decay="cosine", decay_fraction=1.0), 100)
-    assert float(cos(55)) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * 0.55)))
+    assert float(cos(10)) == pytest.approx(1.0)  # the decay starts where warmup ends
+    assert float(cos(55)) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * 0.5)))
+
+
+@pytest.mark.parametrize("preset", ["cpu", "tiny", "marin-32b", "spiky"])
+def test_the_schedule_is_continuous_where_warmup_ends(preset):
+    """No step of a preset's schedule moves the LR by more than one warmup increment (the
+    cosine decay over the whole run once dropped 3.00e-3 to 2.60e-3 in one step there)."""
+    cfg = CF.PRESETS[preset]
+    t = np.arange(cfg.steps + 1)
+    lr = np.asarray(O.lr_schedule(cfg.optim, cfg.steps)(t))
+    w = cfg.optim.warmup_steps
+    assert lr[w - 1] == pytest.approx(cfg.optim.lr) and lr[w] == pytest.approx(cfg.optim.lr)
+    assert np.max(np.abs(np.diff(lr))) <= cfg.optim.lr / max(w, 1) * 1.001  # float32
 
 
 def test_the_schedule_rewarms_as_marin_did_at_step_80k():
