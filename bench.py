@@ -59,13 +59,13 @@ import optax
 
 import attention as A
 import checkpoint as C
-from config import PRESETS, TrainConfig, config_from_dict
-from data import DataConfig
-from distributed import MeshConfig, make_mesh
 import model as M
 import optim as O
 import train as T
 import warmstart as W
+from config import PRESETS, TrainConfig, config_from_dict
+from data import DataConfig
+from distributed import MeshConfig, make_mesh
 
 SEQ_LENS = (128, 256, 512, 1024)
 TOKENS_PER_STEP = 4096

@@ -36,7 +36,6 @@ import compat
 from cli import UserError
 from model import ModelConfig, init_params, logical_to_spec, param_table
 
-
 # ---------------------------------------------------------------------------------------------
 # The sharded train state
 

@@ -68,7 +68,8 @@ def parse_ranges(spec: str, name: str) -> list[range]:
         try:
             a, b = (int(x) for x in part.split(":"))
         except ValueError:
-            raise ValueError(f"data.{name} must look like A:B (e.g. 1200:1300), got {spec!r}")
+            raise ValueError(f"data.{name} must look like A:B (e.g. 1200:1300), "
+                             f"got {spec!r}") from None
         if not 0 <= a < b:
             raise ValueError(f"data.{name} A:B needs 0 <= A < B, got {spec!r}")
         ranges.append(range(a, b))

@@ -37,8 +37,8 @@ import tyro
 
 from checkpoint import saved_steps, strict_json
 from cli import UserError, command, parse
-from report import find_shifts, find_spikes, read_metrics, summary
 from config import PRESETS
+from report import find_shifts, find_spikes, read_metrics, summary
 
 RUNS, RESULTS = pathlib.Path("runs/exp"), pathlib.Path("results")
 STORY, SWEEP, BAD = "spiky-long", "spiky", "bad-spike"  # presets (train.py)

@@ -18,25 +18,24 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
 
-import attention as A  # noqa: E402
-import checkpoint as C  # noqa: E402
-import compat  # noqa: E402
-import config as CF  # noqa: E402
-import data as D  # noqa: E402
-import export as E  # noqa: E402
-import model as M  # noqa: E402
-import optim as O  # noqa: E402
-import report as R  # noqa: E402
-import sample as S  # noqa: E402
-import tracking as TR  # noqa: E402
-import train as T  # noqa: E402
-import warmstart as W  # noqa: E402
-
+import attention as A
+import checkpoint as C
+import compat
+import config as CF
+import data as D
+import export as E
+import model as M
+import optim as O
+import report as R
+import sample as S
+import tracking as TR
+import train as T
+import warmstart as W
 
 HERE = pathlib.Path(__file__).parent
 TINY = CF.PRESETS["tiny"]
@@ -1478,6 +1477,7 @@ def test_warmstart_carries_every_leaf_and_adds_only_the_norm_scales(warm_started
 def wandb_records(run_dir: pathlib.Path) -> list:
     """The records of a run's offline W&B files (LevelDB-log framing of protobuf records)."""
     import struct
+
     from wandb.proto import wandb_internal_pb2
     records = []
     for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):

@@ -30,16 +30,26 @@ from jax import P
 from jax.experimental import multihost_utils
 
 from attention import check_platform, resolve
-from checkpoint import (abstract_state, check_run_dir, checkpoint_manager, fresh_state,
-                        per_device_bytes, resume, run_lock, save_checkpoint, saved_steps,
-                        strict_json, write_config)
+from checkpoint import (
+    abstract_state,
+    check_run_dir,
+    checkpoint_manager,
+    fresh_state,
+    per_device_bytes,
+    resume,
+    run_lock,
+    save_checkpoint,
+    saved_steps,
+    strict_json,
+    write_config,
+)
 from cli import UserError, command, parse
 from config import PRESETS, TrainConfig, check_same_run, load_config
 from data import TokenData
 from distributed import check_fits, make_mesh, process_rows, say, start_distributed
+from export import load_hf
 from model import count_params, decay_mask, flops_per_token, logical_to_spec, loss_fn
 from optim import lr_schedule, make_optimizer, opt_metrics
-from export import load_hf
 from report import event_report, plot, read_metrics
 from tracking import Tracker
 
