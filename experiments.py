@@ -47,27 +47,57 @@ REWARMUP = 60
 LR_GRID = ["1e-3", "1e-2", "1e-1"]  # a subset of Wortsman et al.'s grid, to fit the time
 REPLACED = 20  # replace-batches: the batches of this many steps before the event
 
-# name -> (preset, train.py flags); the story and its interventions, Marin's list in order.
-STORY_RUNS = {
-    "baseline": (STORY, []),
-    "clip-0.2": (STORY, ["--optim.max-grad-norm", "0.2"]),
-    "skip-step": (STORY, ["--optim.skip-step"]),
-    "update-clip-norm": (STORY, ["--optim.update-clip", "norm"]),
-    "update-clip-rms": (STORY, ["--optim.update-clip", "rms"]),
-    "muon": (STORY, ["--optim.optimizer", "muon"]),
-    "qk-norm": (STORY, ["--model.qk-norm"]),
-    "bad-spike": (BAD, []),
-    "bad-spike-qk-norm": (BAD, ["--model.qk-norm"]),
-} | {f"lr{lr}{'-qk' * qk}": (SWEEP, ["--optim.lr", lr] + ["--model.qk-norm"] * qk)
-     for lr in LR_GRID for qk in (False, True)}
-# name -> (source run, step or "after-event"): QK-Norm inserted into a checkpoint of the source.
-RESCUES = {"rescue": ("baseline", RESCUE_STEP), "rescue-skip-step": ("skip-step", RESCUE_STEP),
-           "bad-spike-rescue": ("bad-spike", "after-event")}
-# name -> source run: rewound to its last checkpoint before its largest loss event and run on
-# with the batches of the REPLACED steps before the event replaced (Marin: "we tried skipping
-# the problematic step").
-REPLACES = {"replace-batches": "baseline", "bad-spike-replace-batches": "bad-spike"}
-NAMES = [*STORY_RUNS, *REPLACES, *RESCUES]
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """One row of the results: how its runs are made, what it is compared with, where it is
+    drawn. Adding a lever is adding one of these."""
+    name: str
+    flags: tuple[str, ...] = ()  # train.py flags on top of the preset
+    preset: str = STORY
+    baseline: str | None = "baseline"  # the row its held-out loss is compared with
+    panels: tuple[str, ...] = ("interventions",)  # the figures (PANELS) it is drawn in
+    # How its runs start: "train" from scratch; "rescue": QK-Norm inserted by warmstart.py into
+    # a checkpoint of `source` at `step` ("after-event": the first checkpoint after its first
+    # level shift); "replace": `source` rewound to its last checkpoint before its largest loss
+    # event and run on with the batches of the REPLACED steps before the event replaced (Marin:
+    # "we tried skipping the problematic step").
+    start: str = "train"
+    source: str = ""
+    step: int | str = RESCUE_STEP
+
+
+EXPERIMENTS = [
+    Experiment("baseline", baseline=None, panels=("interventions", "rescue")),
+    Experiment("clip-0.2", ("--optim.max-grad-norm", "0.2")),
+    Experiment("skip-step", ("--optim.skip-step",), panels=("interventions", "rescue")),
+    Experiment("update-clip-norm", ("--optim.update-clip", "norm")),
+    Experiment("update-clip-rms", ("--optim.update-clip", "rms")),
+    Experiment("muon", ("--optim.optimizer", "muon")),
+    Experiment("qk-norm", ("--model.qk-norm",), panels=("rescue",)),
+    Experiment("bad-spike", preset=BAD, baseline=None, panels=("bad-spike",)),
+    Experiment("bad-spike-qk-norm", ("--model.qk-norm",), BAD, "bad-spike", ("bad-spike",)),
+    *[Experiment(f"lr{lr}{'-qk' * qk}", ("--optim.lr", lr) + ("--model.qk-norm",) * qk, SWEEP,
+                 baseline=None, panels=()) for lr in LR_GRID for qk in (False, True)],
+    Experiment("replace-batches", start="replace", source="baseline"),
+    Experiment("bad-spike-replace-batches", preset=BAD, baseline="bad-spike",
+               panels=("bad-spike",), start="replace", source="bad-spike"),
+    Experiment("rescue", panels=("rescue",), start="rescue", source="baseline"),
+    Experiment("rescue-skip-step", panels=("rescue",), start="rescue", source="skip-step"),
+    Experiment("bad-spike-rescue", preset=BAD, baseline="bad-spike", panels=("bad-spike",),
+               start="rescue", source="bad-spike", step="after-event"),
+]
+BY_NAME = {e.name: e for e in EXPERIMENTS}
+NAMES = list(BY_NAME)
+# The figures: name -> (file, title); each draws the rows that name it in `panels`.
+PANELS = {
+    "interventions": ("interventions.png", "Marin's interventions against the spiky baseline"),
+    "rescue": ("qk_norm_and_rescue.png", f"QK-Norm from scratch, and inserted at step "
+               f"{RESCUE_STEP} (dashed) into the baseline and into the skip-step run"),
+    "bad-spike": ("bad_spike.png", "the bad-spike preset: without and with QK-Norm, QK-Norm "
+                  "inserted after the\nfirst level shift, the batches before the largest event "
+                  "replaced"),
+}
 
 
 def run_dir(name: str, seed: int) -> pathlib.Path:
@@ -89,33 +119,35 @@ def largest_event(run: pathlib.Path) -> int | None:
 def command_for(name: str, seed: int) -> list[str] | None:
     """The command of run (name, seed); None where it does not apply (no event to act on).
     Runs that depend on another are resolved only once that one has finished."""
-    if name in STORY_RUNS:
-        return train_cmd(name, seed, *STORY_RUNS[name])
-    if name in REPLACES:
-        event = largest_event(run_dir(REPLACES[name], seed))
+    e = BY_NAME[name]
+    if e.start == "train":
+        return train_cmd(name, seed, e.preset, list(e.flags))
+    src = run_dir(e.source, seed)
+    if e.start == "replace":
+        event = largest_event(src)
         if event is None:
             return None
-        preset, flags = STORY_RUNS[REPLACES[name]]
+        source = BY_NAME[e.source]
         span = f"{max(event - REPLACED, 0)}:{event}"
-        return train_cmd(name, seed, preset, [*flags, "--data.replace-batches", span])
-    source, step = RESCUES[name]
-    src = run_dir(source, seed)
+        return train_cmd(name, seed, source.preset, [*source.flags, "--data.replace-batches",
+                                                     span])
+    step = e.step
     if step == "after-event":  # the first checkpoint after the run's first level shift
         shifts = find_shifts(read_metrics(src))
         if not shifts:
             return None
-        every = PRESETS[BAD].checkpoint_every
+        every = PRESETS[e.preset].checkpoint_every
         step = (shifts[0].step // every + 1) * every
     return [sys.executable, "warmstart.py", "--from", str(src), "--to",
             str(run_dir(name, seed)), "--step", str(step), "--rewarmup-steps", str(REWARMUP)]
 
 
 def rewind(name: str, seed: int) -> None:
-    """Start run (name, seed) of REPLACES from a copy of its source: config.json, the last
+    """Start a "replace" run (name, seed) from a copy of its source: config.json, the last
     checkpoint at or before the first replaced step, and the metrics before it. train.py then
     resumes there (the replaced steps are a RESUMABLE setting); a start from scratch would
     repeat the source's steps bit for bit."""
-    src, run = run_dir(REPLACES[name], seed), run_dir(name, seed)
+    src, run = run_dir(BY_NAME[name].source, seed), run_dir(name, seed)
     first = max(largest_event(src) - REPLACED, 0)
     steps = [s for s in saved_steps(src) if s <= first]
     if not steps:
@@ -152,9 +184,10 @@ def execute(name: str, seed: int) -> int:
         print(f"[{run.name}] nothing to do: its source run has no event of the kind it acts on",
               flush=True)
         return 0
-    if name in RESCUES and run.exists():
+    start = BY_NAME[name].start
+    if start == "rescue" and run.exists():
         raise UserError(f"{run} holds an unfinished warm start: remove it and run again")
-    if name in REPLACES and not run.exists():
+    if start == "replace" and not run.exists():
         rewind(name, seed)
     RUNS.mkdir(parents=True, exist_ok=True)
     print(f"[{run.name}] python {' '.join(cmd[1:])}", flush=True)
@@ -171,11 +204,11 @@ def execute(name: str, seed: int) -> int:
 def run_all(names: list[str], seeds: list[int], jobs: int) -> dict:
     """Independent runs first, then those that read their results, `jobs` at a time."""
     codes = {}
-    sources = ({RESCUES[n][0] for n in names if n in RESCUES}
-               | {REPLACES[n] for n in names if n in REPLACES})
-    first = [(n, s) for n in STORY_RUNS if n in names or n in sources for s in seeds]
-    first.sort(key=lambda ns: -PRESETS[STORY_RUNS[ns[0]][0]].steps)  # the longest first
-    later = [(n, s) for n in names if n not in STORY_RUNS for s in seeds]
+    sources = {BY_NAME[n].source for n in names if BY_NAME[n].source}
+    first = [(e.name, s) for e in EXPERIMENTS if e.start == "train"
+             and (e.name in names or e.name in sources) for s in seeds]
+    first.sort(key=lambda ns: -PRESETS[BY_NAME[ns[0]].preset].steps)  # the longest first
+    later = [(n, s) for n in names if BY_NAME[n].start != "train" for s in seeds]
     with ThreadPoolExecutor(jobs) as pool:
         for batch in (first, later):
             codes |= dict(zip(batch, pool.map(lambda ns: execute(*ns), batch)))
@@ -239,8 +272,8 @@ def collect(seeds: list[int]) -> tuple[dict, dict]:
             row = summary(m)
             done = pathlib.Path(f"{runs[s]}.done")
             row["wall_s"] = json.loads(done.read_text())["seconds"] if done.is_file() else None
-            if name in RESCUES:
-                source = metrics[RESCUES[name][0]][s]
+            if BY_NAME[name].start == "rescue":
+                source = metrics[BY_NAME[name].source][s]
                 row["warm_start_step"] = int(m["step"][0])
                 row["recovered_after"] = recovery_after_warm_start(m, source, int(m["step"][0]))
             per_seed[s] = row
@@ -288,13 +321,10 @@ def table(rows: dict, seeds: list[int]) -> str:
     for name, r in rows.items():
         if name == "lr_sensitivity":
             continue
-        base = ("bad-spike" if name.startswith("bad-spike") else
-                "baseline" if name in ("clip-0.2", "skip-step", "update-clip-norm", "muon",
-                                       "update-clip-rms", "qk-norm", "replace-batches", "rescue",
-                                       "rescue-skip-step") else None)
-        vs = compare(r, rows[base]) if base and base in rows and base != name else ""
+        base = BY_NAME[name].baseline
+        vs = compare(r, rows[base]) if base in rows else ""
         extra = ""
-        if name in RESCUES:
+        if BY_NAME[name].start == "rescue":
             extra = (f"; warm start at step {per_seed(r, 'warm_start_step')}, train loss back at "
                      f"its pre-insertion level after {per_seed(r, 'recovered_after')} steps")
         cmd = command_for(name, min(r["seeds"]))
@@ -305,7 +335,8 @@ def table(rows: dict, seeds: list[int]) -> str:
             f"{vs} | {per_seed(r, 'spikes')} | {per_seed(r, 'shifts')} | "
             f"{logit(r['max_attn_logit']['min'])}–{logit(r['max_attn_logit']['max'])} | "
             f"{per_seed(r, 'skipped_steps')} | `python {' '.join(cmd[1:]) if cmd else '-'}` |")
-    for rescue, source in (("rescue", "baseline"), ("rescue-skip-step", "skip-step")):
+    for rescue, source in [(e.name, e.source) for e in EXPERIMENTS
+                           if e.start == "rescue" and e.step == RESCUE_STEP]:
         if {rescue, source, "qk-norm"} <= set(rows):
             base, qk, res = (rows[n]["eval_loss"]["mean"] for n in (source, "qk-norm", rescue))
             lines.append(f"\n{rescue}: QK-Norm inserted at step {RESCUE_STEP} into {source} "
@@ -389,17 +420,14 @@ def figures(metrics: dict, rows: dict, out: pathlib.Path) -> list[pathlib.Path]:
         save(fig, name)
 
     seeds = f"{len(next(iter(metrics.values())))} seeds"
-    panels(["baseline", "clip-0.2", "skip-step", "update-clip-norm", "update-clip-rms", "muon",
-            "replace-batches"], f"Marin's interventions against the spiky baseline ({seeds}: "
-           "mean EMA line, band from the lowest to the highest seed)", "interventions.png")
-    panels(["baseline", "skip-step", "qk-norm", "rescue", "rescue-skip-step"],
-           f"QK-Norm from scratch, and inserted at step {RESCUE_STEP} (dashed) into the "
-           f"baseline and into the skip-step run ({seeds})", "qk_norm_and_rescue.png",
-           marks=[RESCUE_STEP])
-    panels(["bad-spike", "bad-spike-qk-norm", "bad-spike-rescue", "bad-spike-replace-batches"],
-           f"the bad-spike preset: without and with QK-Norm, QK-Norm inserted after the first "
-           f"level shift, the batches before the largest event replaced ({seeds})",
-           "bad_spike.png")
+    for panel, (file, title) in PANELS.items():
+        names = [e.name for e in EXPERIMENTS if panel in e.panels and e.name in metrics]
+        if not names:
+            continue
+        marks = sorted({e.step for e in EXPERIMENTS if panel in e.panels
+                        and e.start == "rescue" and isinstance(e.step, int)})
+        panels(names, f"{title} ({seeds}: mean EMA line, band from the lowest to the highest "
+               "seed)", file, marks)
 
     if "lr_sensitivity" in rows:
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
@@ -451,11 +479,12 @@ def figures(metrics: dict, rows: dict, out: pathlib.Path) -> list[pathlib.Path]:
             im = ax.imshow(rel.T, aspect="auto", cmap="RdBu_r", vmin=-2, vmax=2,
                            interpolation="nearest", origin="lower",
                            extent=(m["step"][0], m["step"][-1], -0.5, u.shape[1] - 0.5))
-            for shift in find_shifts(m):
+            shifts = find_shifts(m)
+            for shift in shifts:
                 ax.axvline(shift.step, color="k", lw=0.8, ls="--")
             ax.set_ylabel("layer")
-            ax.set_title(f"{name} (seed {seed}): per-layer update norm / its median (log2); "
-                         "dashed: level shifts", fontsize=9)
+            ax.set_title(f"{name} (seed {seed}): per-layer update norm / its median (log2)"
+                         + ("; dashed: level shifts" if shifts else ""), fontsize=9)
             fig.colorbar(im, ax=ax, pad=0.01)
         axes[-1, 0].set_xlabel("step")
         save(fig, "update_norm_heatmap.png")
@@ -514,7 +543,7 @@ def main(argv: list[str]) -> int:
     if args.list:
         for name in chosen:
             for seed in seeds:
-                cmd = (command_for(name, seed) if name in STORY_RUNS else None)
+                cmd = (command_for(name, seed) if BY_NAME[name].start == "train" else None)
                 print(f"{run_dir(name, seed).name:<26} python {' '.join(cmd[1:])}" if cmd else
                       f"{run_dir(name, seed).name:<26} (decided once its source run is done)")
         return 0

@@ -1,7 +1,10 @@
-"""The whole suite, on CPU, in minutes: `pytest test_all.py`.
+"""The whole suite, on CPU, in minutes: `pytest test_all.py`; the fast tier, every module but
+without the tests that run several training processes: `pytest test_all.py -m "not slow"`.
 
 Sharding tests run on 8 simulated CPU devices. Compiled functions are shared across tests where
-they can be (one tiny config, module-level fixtures), since JAX compiles are slow on 2 cores.
+they can be (one tiny config, module-level fixtures), since JAX compiles are slow on 2 cores; and
+across processes (the train.py runs the tests start) through JAX's persistent compilation
+cache, in a directory of the system's temporary folder (SPIKEFIX_TEST_JAX_CACHE overrides it).
 """
 
 import dataclasses
@@ -13,6 +16,12 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import tempfile
+
+# Set before JAX starts, so that every subprocess a test starts inherits it too.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ.get(
+    "SPIKEFIX_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "spikefix-test-jax-cache")))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax
 
@@ -1932,11 +1941,41 @@ def test_lr_sensitivity_recovery_and_the_spread_rule():
     assert E.compare({"eval_loss": E.spread([1.7, 1.75, 1.8])}, base) == "better (-0.350)"
     assert E.compare({"eval_loss": E.spread([2.5, 2.6, 2.7])}, base) == "worse (+0.500)"
 
+def test_each_experiment_row_names_its_baseline_source_and_figure(tmp_path):
+    """Adding a lever is one row: its baseline, its source and its panels are declared on it,
+    and the table and the figures follow the rows (no list of names elsewhere)."""
+    import experiments as E
+    for e in E.EXPERIMENTS:
+        assert e.baseline is None or E.BY_NAME[e.baseline].start == "train", e.name
+        assert set(e.panels) <= set(E.PANELS), e.name
+        assert e.start == "train" or E.BY_NAME[e.source].start == "train", e.name
+    rng = np.random.default_rng(0)
+
+    def run(level):
+        n = 120
+        return {"step": np.arange(n, dtype=float), "loss": level + 0.01 * rng.standard_normal(n),
+                "update_norm": np.ones(n), "attn_logit_max": np.ones((n, 2)),
+                "eval_step": np.array([n - 1.0]), "eval_loss": np.array([level])}
+    metrics = {"baseline": {s: run(2.0 + 0.01 * s) for s in (0, 1, 2)},
+               "clip-0.2": {s: run(1.5 + 0.01 * s) for s in (0, 1, 2)},
+               "muon": {s: run(2.0 - 0.01 * s) for s in (0, 1, 2)}}
+    rows = {name: {"seeds": {s: R.summary(m) for s, m in runs.items()},
+                   **{k: E.spread([R.summary(m)[k] for m in runs.values()]) for k in E.STATS}}
+            for name, runs in metrics.items()}
+    text = E.table(rows, [0, 1, 2])
+    assert "| clip-0.2 | 1.510 ± 0.010 | better (-0.500) |" in text
+    assert "| muon | 1.990 ± 0.010 | no measurable difference |" in text
+    paths = E.figures(metrics, rows, tmp_path)
+    assert [p.name for p in paths] == ["interventions.png", "qk_norm_and_rescue.png",
+                                       "attn_logits_per_layer.png"]  # no bad-spike row: no panel
+
+
 # ---------------------------------------------------------------------------------------------
 # The whole project: imports flow one way
 
-PROJECT = ["cli", "attention", "model", "optim", "data", "tracking", "distributed", "checkpoint",
-           "config", "export", "report", "train", "warmstart", "sample", "experiments", "bench"]
+PROJECT = ["cli", "compat", "attention", "model", "optim", "data", "tracking", "distributed",
+           "checkpoint", "config", "export", "report", "train", "warmstart", "sample",
+           "experiments", "search", "bench"]
 
 
 def project_imports(name: str) -> tuple[set, set]:
@@ -1954,7 +1993,7 @@ def project_imports(name: str) -> tuple[set, set]:
 
 def test_imports_flow_one_way():
     imports = {name: project_imports(name) for name in PROJECT}
-    for leaf in ("cli", "attention", "optim", "data", "tracking"):
+    for leaf in ("cli", "compat", "attention", "optim", "data", "tracking"):
         assert imports[leaf][0] <= {"cli"} - {leaf}, leaf  # leaves know nothing of the rest
     assert imports["model"][0] <= {"cli", "attention"}
     assert all(not inner for _, inner in imports.values()), imports  # no import in a function
