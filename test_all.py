@@ -751,7 +751,9 @@ def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
-    cfg = tiny(tmp_path_factory.mktemp("straight"), steps=6, checkpoint_every=3, eval_every=3)
+    # warmup 2 of 6 steps: its cosine decay has begun (a later --steps would change taken steps)
+    cfg = tiny(tmp_path_factory.mktemp("straight"), steps=6, checkpoint_every=3, eval_every=3,
+               optim__warmup_steps=2)
     last = T.train(cfg, devices=jax.devices()[:1])
     return cfg, last
 
