@@ -229,17 +229,22 @@ def rms_norm(x, scale, eps):
 def rope(x_BTNH, theta: float, offset=0):
     """Rotary position embedding, rotate-half layout (Llama); positions offset..offset+T-1."""
     T, H = x_BTNH.shape[1], x_BTNH.shape[-1]
-    # Positions known when tracing: the tables become constants. Computed in the graph, XLA:CPU
-    # fused cos and sin into the rotation and evaluated them once per element of x (preset
-    # cpu: ~40 ms of a ~850 ms step, ~6 ms as constants). The same values either way.
+    cos_T1H2, sin_T1H2 = rope_tables(T, H, theta, offset)
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos_T1H2 - x2 * sin_T1H2, x2 * cos_T1H2 + x1 * sin_T1H2],
+                          axis=-1)
+    return out.astype(x_BTNH.dtype)
+
+
+def rope_tables(T: int, H: int, theta: float, offset=0):
+    """cos and sin of each position's angles, [1, T, 1, H/2]. With a static offset (training)
+    they are built as trace-time constants: computed in the graph, XLA:CPU recomputes them
+    once per element of x (bench/README.md). The values are the same either way."""
     static = isinstance(offset, int)
     with jax.ensure_compile_time_eval() if static else contextlib.nullcontext():
         freq_H2 = theta ** (-jnp.arange(0, H, 2, dtype=jnp.float32) / H)
         angle_TH2 = (offset + jnp.arange(T, dtype=jnp.float32))[:, None] * freq_H2[None, :]
-        cos, sin = jnp.cos(angle_TH2)[None, :, None, :], jnp.sin(angle_TH2)[None, :, None, :]
-    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BTNH.dtype)
+        return jnp.cos(angle_TH2)[None, :, None, :], jnp.sin(angle_TH2)[None, :, None, :]
 
 
 def _gather(p: dict, cfg: ModelConfig, dtype) -> dict:

@@ -2,26 +2,27 @@
 
     tx = make_optimizer(OptimConfig(), total_steps, decay_mask)
     updates, opt_state = tx.update(grads, opt_state, params, loss=loss, step=global_step)
+    metrics = opt_metrics(opt_state)          # what each piece saw on this step
 
 Order, as in Levanter (which Marin used), with the learning rate outside the part a skip rolls
 back:
 
     chain(
-      skip_step(                                 # OLMo 2: take the whole step, or nothing
-        chain(clip_by_global_norm(max_grad_norm),
-              scale_by_adam(b1, b2, eps),        # or Muon for matrices
-              add_decayed_weights(wd, mask),     # no decay on norms, embeddings
-              update clipping)),                 # off | rolling norm | per-tensor RMS
+      refuse_nonfinite(                          # always: a non-finite step applies nothing
+        skip_step(                               # optional, OLMo 2: the whole step, or nothing
+          chain(clip_by_global_norm(max_grad_norm),
+                scale_by_adam(b1, b2, eps),      # or Muon for matrices
+                add_decayed_weights(wd, mask),   # no decay on norms, embeddings
+                update clipping))),              # optional: rolling norm | per-tensor RMS
       scale_by_schedule_at_step(schedule))       # x -schedule(global step)
 
-NOTE: the schedule is read at the trainer's global step, passed in, not at a count kept in the
-optimizer state (as OLMo-core's scheduler is driven by the trainer's step). optax's own
-`scale_by_learning_rate` counts its calls in its state; inside skip-step that count is rolled
-back with everything else, so each skipped step left the LR one step behind for good -- and
-after a QK-Norm warm start from a run with skips, the re-warmup ran several times too hot.
+NOTE: the schedule is read at the global step the trainer passes in, never at a count kept in
+the optimizer state (OLMo-core's scheduler, too, is driven by the trainer's step): a skipped or
+refused step rolls its inner state back, and the LR must not be rolled back with it.
 
-Each piece is an optax transformation someone could drop into their own chain. Everything is
-decided inside jit with `jnp.where`: no host round trip, no recompilation.
+Each piece is an optax transformation someone could drop into their own chain, and keeps what it
+reports in a small metrics NamedTuple in its state. Everything is decided inside jit with
+`jnp.where`: no host round trip, no recompilation.
 """
 
 import dataclasses
