@@ -211,36 +211,36 @@ class TokenData:
         if top >= vocab_size or int(tokens.min()) < 0:
             raise ValueError(f"{name} holds token id {top}, outside the vocab of {vocab_size}: "
                              "raise --model.vocab-size or fix the tokenizer")
-        self.window = cfg.seq_len + 1
+        self.row_len = cfg.seq_len + 1
         auto_val = (cfg.source and not any(c in cfg.source for c in "*?[")
                     and pathlib.Path(cfg.source).is_dir() and shard_paths(cfg.source, "val"))
         val_source = cfg.val_source or (cfg.source if auto_val else "")
         if val_source:  # a validation split of its own: all of `source` is training data
             val = load_tokens(val_source, vocab_size, split="val" if not cfg.val_source
                               else "all")
-            if val.size < self.window:
+            if val.size < self.row_len:
                 raise ValueError(f"the validation source {val_source} has {val.size} tokens: "
-                                 f"too short for one sequence of {self.window}")
+                                 f"too short for one sequence of {self.row_len}")
             self.train, self.held_out = tokens, val
         else:
-            n_held_out = max(int(tokens.size * cfg.held_out_fraction), self.window)
+            n_held_out = max(int(tokens.size * cfg.held_out_fraction), self.row_len)
             self.train, self.held_out = tokens[:-n_held_out], tokens[-n_held_out:]
-        if self.train.size < self.window:
+        if self.train.size < self.row_len:
             raise ValueError(f"{name} has {tokens.size} tokens: too short for one training "
-                             f"sequence of {self.window} (plus a held-out slice); use more data "
+                             f"sequence of {self.row_len} (plus a held-out slice); use more data "
                              "or a smaller --data.seq-len")
         self.replaced = parse_ranges(cfg.replace_batches, "replace_batches")
 
     def _rows(self, tokens, starts, rows: slice):
         starts = starts[rows]
-        return np.stack([np.asarray(tokens[s:s + self.window]) for s in starts]).astype(np.int32)
+        return np.stack([np.asarray(tokens[s:s + self.row_len]) for s in starts]).astype(np.int32)
 
     def batch(self, step: int, rows: slice = slice(None)) -> np.ndarray:
         """int32 [B, T+1] for `step`. `rows` picks this process's share of the global batch:
         every process draws the same offsets and builds only its own rows."""
         stream = 1 if any(step in r for r in self.replaced) else 0  # replaced: another stream
         rng = np.random.default_rng([self.cfg.seed, step, stream])
-        starts = rng.integers(0, self.train.size - self.window + 1, size=self.cfg.batch_size)
+        starts = rng.integers(0, self.train.size - self.row_len + 1, size=self.cfg.batch_size)
         return self._rows(self.train, starts, rows)
 
     def held_out_batches(self, rows: slice = slice(None)) -> np.ndarray:
@@ -249,7 +249,7 @@ class TokenData:
         this source, seq_len and batch size. `rows` picks this process's rows of each batch."""
         B = self.cfg.batch_size
         C = -(-self.cfg.eval_sequences // B)
-        starts = np.linspace(0, self.held_out.size - self.window, C * B).astype(np.int64)
+        starts = np.linspace(0, self.held_out.size - self.row_len, C * B).astype(np.int64)
         return np.stack([self._rows(self.held_out, starts[c * B:(c + 1) * B], rows)
                          for c in range(C)])
 

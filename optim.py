@@ -386,14 +386,14 @@ def muon_with_adam(cfg: OptimConfig, decay_mask) -> optax.GradientTransformation
         return jax.tree_util.tree_map_with_path(scale, updates), state
 
     labels = jax.tree.map(lambda decayed: "muon" if decayed else "adam", decay_mask)
-    muon = gathered(optax.chain(
+    muon = on_whole_arrays(optax.chain(
         optax.contrib.scale_by_muon(beta=cfg.b1, eps=cfg.eps, weight_dimension_numbers=dims),
         optax.GradientTransformation(lambda _: optax.EmptyState(), match_adam_rms)))
     return optax.partition({"muon": muon, "adam": optax.scale_by_adam(cfg.b1, cfg.b2, cfg.eps)},
                            labels)
 
 
-def gathered(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+def on_whole_arrays(inner: optax.GradientTransformation) -> optax.GradientTransformation:
     """Run `inner` on whole (replicated) arrays and hand back the shardings it was given:
     Muon orthogonalises whole matrices, so under FSDP its input is all-gathered first."""
     def whole(tree):

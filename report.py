@@ -156,7 +156,7 @@ def outliers(x: np.ndarray, rule: SpikeRule, min_height: float = 0.0
              ) -> list[tuple[int, int, float]]:
     """(start, end, mean before) for each index range where x lies above its rolling
     threshold. Steps inside a range are kept out of the history; a range longer than the
-    window is taken as a new level."""
+    window ends there, and its values join the history (the threshold follows the loss)."""
     history, ranges, start, thr, mean = [], [], None, math.inf, 0.0
     for i, v in enumerate(x):
         if start is None:
@@ -171,7 +171,7 @@ def outliers(x: np.ndarray, rule: SpikeRule, min_height: float = 0.0
                 history.append(v)
         elif (math.isfinite(v) and v <= thr) or i - start >= rule.window:
             ranges.append((start, i, mean))
-            if i - start >= rule.window:  # the level moved: the new level is the history
+            if i - start >= rule.window:  # above for a whole window: its values join the history
                 history.extend(y for y in x[start:i] if math.isfinite(y))
             if math.isfinite(v):
                 history.append(v)

@@ -270,15 +270,15 @@ def numpy_skip_rule(losses, grad_norms, window, sigma, patience=32, as_anchors=F
             hl, hg = np.array(hist_l[-window:]), np.array(hist_g[-window:])
             thr_l, thr_g = hl.mean() + sigma * hl.std(ddof=1), hg.mean() + sigma * hg.std(ddof=1)
         outlier = finite and (loss > thr_l or gn > thr_g)
-        shifted = outlier and in_a_row >= patience and not as_anchors
-        skip = not finite or (outlier and not shifted)
-        if shifted:  # the new level is accepted; the history starts over
+        settled = outlier and in_a_row >= patience and not as_anchors
+        skip = not finite or (outlier and not settled)
+        if settled:  # the new level is accepted; the history starts over
             hist_l, hist_g = [], []
         if finite:
             clip = skip and not as_anchors
             hist_l.append(min(loss, thr_l) if clip else loss)
             hist_g.append(min(gn, thr_g) if clip else gn)
-        in_a_row = in_a_row + 1 if outlier and not shifted else (0 if finite else in_a_row)
+        in_a_row = in_a_row + 1 if outlier and not settled else (0 if finite else in_a_row)
         skipped.append(bool(skip))
     return skipped
 
