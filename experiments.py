@@ -14,9 +14,9 @@ before that event replaced; they run once their sources are done.
 
 Afterwards the results -- per run, read from its metrics.jsonl, then mean and spread over the
 seeds -- go to results/results.json (with the machine and each run's wall time), the figures to
-results/*.png, and the tables into README.md between the `results` markers. Nothing in the tables
-is typed by hand. An intervention is called better or worse than the baseline only where the
-difference of the means exceeds the sum of the two standard deviations over seeds.
+results/*.png, and the tables into results/README.md between the `results` markers. Nothing in
+the tables is typed by hand. An intervention is called better or worse than the baseline only
+where the difference of the means exceeds the sum of the two standard deviations over seeds.
 """
 
 import dataclasses
@@ -491,7 +491,7 @@ def figures(metrics: dict, rows: dict, out: pathlib.Path) -> list[pathlib.Path]:
     return paths
 
 
-def update_readme(text: str, readme: pathlib.Path = pathlib.Path("README.md")) -> None:
+def update_readme(text: str, readme: pathlib.Path = RESULTS / "README.md") -> None:
     start, end = "<!-- results: written by experiments.py -->", "<!-- /results -->"
     body = readme.read_text()
     if start not in body or end not in body:
@@ -513,7 +513,8 @@ def write_results(seeds: list[int]) -> None:
     text = table(rows, seeds)
     print(text)
     update_readme(text)
-    print(f"wrote {RESULTS}/results.json, {', '.join(map(str, paths))} and the README table")
+    print(f"wrote {RESULTS}/results.json, {', '.join(map(str, paths))} and the table in "
+          f"{RESULTS}/README.md")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -758,6 +758,7 @@ def straight_run(tmp_path_factory):
     return cfg, last
 
 
+@pytest.mark.slow
 def test_a_restart_on_another_mesh_resumes_to_float_tolerance(straight_run, tmp_path):
     cfg, _ = straight_run
     resumed = dataclasses.replace(cfg, run_dir=str(tmp_path / "resumed"))
@@ -883,6 +884,7 @@ def test_sigkill_anywhere_then_restart_is_bitwise_identical(tmp_path):
                                          12), straight)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncate", "delete"])
 def test_damaged_checkpoint_names_the_step_and_falls_back_on_request(damage, straight_run,
                                                                      tmp_path):
@@ -908,6 +910,7 @@ def test_damaged_checkpoint_names_the_step_and_falls_back_on_request(damage, str
     assert any(p.name.startswith("superseded-") for p in run.iterdir())  # damaged one kept
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, flags", [
     ("pre-split-run", ["--optim.skip-step", "--optim.update-clip", "norm"]),
     ("layout-2-run", [])])
@@ -1214,6 +1217,7 @@ def test_bad_input_exits_2_and_writes_nothing(command, argv, message, bad_files,
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_bad_input_from_the_shell_is_one_line_too(tmp_path):
     out = subprocess.run([sys.executable, "train.py", "tiny", "--model.n-heads", "5",
                           "--run-dir", str(tmp_path / "r")], cwd=HERE, capture_output=True,
@@ -1240,6 +1244,7 @@ def test_bfloat16_compute_trains_finitely(tmp_path):
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state["params"]))  # params f32
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_says_where(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-u", "train.py", "tiny", "--steps", "100000", "--log-every", "1",
@@ -1283,6 +1288,7 @@ def wait_for_step(proc: subprocess.Popen, step: int) -> None:
                   f"step {step}")
 
 
+@pytest.mark.slow
 def test_ctrl_c_twice_stops_at_once_in_one_line(tmp_path):
     import signal
     run = tmp_path / "run"
@@ -1304,6 +1310,7 @@ def test_ctrl_c_twice_stops_at_once_in_one_line(tmp_path):
     assert steps[-1] >= 4 and int(restore_final(cfg, steps[-1])["step"]) == steps[-1]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_write_that_fails_ends_the_run_in_one_line(tmp_path):
     import resource
     import time
@@ -1341,6 +1348,7 @@ def test_one_writer_per_run_directory(tmp_path, capsys):
     assert (run / "lock").read_text() == ""  # released cleanly
 
 
+@pytest.mark.slow
 def test_an_unreachable_coordinator_fails_in_one_line_within_the_timeout(tmp_path):
     out = subprocess.run([sys.executable, "train.py", "tiny", "--dist.num-processes", "2",
                           "--dist.process-id", "1", "--dist.coordinator",
@@ -1352,6 +1360,7 @@ def test_an_unreachable_coordinator_fails_in_one_line_within_the_timeout(tmp_pat
         in out.stderr and not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow
 def test_an_unreachable_wandb_neither_stops_nor_stalls_training(tmp_path):
     env = {**os.environ, "WANDB_BASE_URL": f"http://127.0.0.1:{free_port()}",
            "WANDB_API_KEY": "x" * 40}
@@ -1365,6 +1374,7 @@ def test_an_unreachable_wandb_neither_stops_nor_stalls_training(tmp_path):
     assert len(history) >= 3  # logged offline instead
 
 
+@pytest.mark.slow
 def test_resume_by_run_directory_and_raise_the_steps_of_a_constant_schedule(tmp_path):
     cfg = tiny(tmp_path, steps=6, checkpoint_every=3, optim__min_lr_ratio=1.0)
     T.train(cfg, devices=jax.devices()[:1])
@@ -1507,6 +1517,7 @@ def wandb_records(run_dir: pathlib.Path) -> list:
     return records
 
 
+@pytest.mark.slow
 def test_a_warm_started_run_rewarms_and_learns(warm_started):
     src_cfg, cfg, _ = warm_started
     tracked = dataclasses.replace(cfg, wandb=TR.WandbConfig(project="spikefix-tests",
@@ -1607,6 +1618,7 @@ def test_warmstart_refuses_a_bad_source_in_one_line(case, message, straight_run,
     assert tree_hashes(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_the_same_warmstart_command_resumes_after_a_kill(straight_run, tmp_path):
     cmd = [sys.executable, "-u", "warmstart.py", "--from", straight_run[0].run_dir, "--to",
            str(tmp_path / "new"), "--steps", "100", "--rewarmup-steps", "4",
@@ -1626,6 +1638,7 @@ def test_the_same_warmstart_command_resumes_after_a_kill(straight_run, tmp_path)
     assert "done: step 100" in again.stdout
 
 
+@pytest.mark.slow
 def test_a_conversion_killed_mid_save_leaves_no_run_behind(straight_run, tmp_path, monkeypatch):
     src, dst = straight_run[0].run_dir, tmp_path / "new"
     argv = ["--from", src, "--to", str(dst), "--steps", "12", "--no-train", "--mesh.data", "8"]
@@ -1694,6 +1707,7 @@ def applied_lrs(cfg, steps) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_the_lr_applied_follows_the_global_step_through_skips_and_a_warm_start(
         tmp_path, monkeypatch):
     """The mission's path: a source run skips 4 of its first 8 steps (non-finite batches), is
