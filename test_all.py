@@ -470,6 +470,22 @@ def test_a_nan_step_changes_nothing_and_the_schedule_advances(tiny_tokens):
                                   before["params"]["layers"]["wq"])
 
 
+def test_the_per_layer_adam_moment_norms_are_those_of_the_state_after_the_step(tiny_tokens):
+    cfg = tiny()
+    state, tx, _ = init_sharded(cfg, mesh_of(1, 1))
+    step = T.make_train_step(cfg, tx)
+    with jax.set_mesh(mesh_of(1, 1)):
+        new, metrics = step(state, jnp.asarray(np.tile(tiny_tokens, (2, 1))))
+        new, metrics = step(new, jnp.asarray(np.tile(tiny_tokens, (2, 1))))
+    adam = new["opt_state"][0].inner_state[1]  # chain(clip, adam, decay): the second
+    assert isinstance(adam, optax.ScaleByAdamState) and int(adam.count) == 2
+    for key, moment in (("adam_mu_norm_per_layer", adam.mu), ("adam_nu_norm_per_layer", adam.nu)):
+        expected = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2, axis=tuple(
+            range(1, x.ndim))) for x in jax.tree.leaves(moment["layers"])))
+        np.testing.assert_allclose(np.asarray(metrics[key]), expected, rtol=1e-5)
+        assert expected.shape == (cfg.model.n_layers,) and np.all(expected > 0)
+
+
 def test_muon_trains(tiny_tokens):
     cfg = tiny(optim__optimizer="muon")
     state, tx, _ = init_sharded(cfg, mesh_of(1, 1))

@@ -112,6 +112,22 @@ def per_layer_norms(tree: dict) -> jax.Array:
     return jnp.sqrt(sum(sq))
 
 
+def per_layer_metrics(params, grads, updates, opt_state) -> dict:
+    """[L] per-layer norms of what moves before a spike (Marin: update spikes first, larger in
+    the lower layers; Adam's first moment doubled while the second stayed flat): gradients,
+    updates, q/k weights, and Adam's moments, read from the optimizer state (no recompute)."""
+    out = {"grad_norm_per_layer": per_layer_norms(grads),
+           "update_norm_per_layer": per_layer_norms(updates)}
+    out |= {f"{w}_norm": per_layer_norms({"layers": {w: params["layers"][w]}})
+            for w in ("wq", "wk")}
+    adam = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
+        x, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState)]
+    if adam and jax.tree.leaves(adam[0].mu.get("layers", {})):  # (Muon: Adam has the norms)
+        out["adam_mu_norm_per_layer"] = per_layer_norms(adam[0].mu)
+        out["adam_nu_norm_per_layer"] = per_layer_norms(adam[0].nu)
+    return out
+
+
 def make_train_step(cfg: TrainConfig, tx):
     schedule = lr_schedule(cfg.optim, cfg.steps)
 
@@ -123,11 +139,8 @@ def make_train_step(cfg: TrainConfig, tx):
                                        step=state["step"])
         metrics = {"loss": loss, "lr": schedule(state["step"]), **aux,
                    **opt_metrics(opt_state, cfg.optim.max_grad_norm)}
-        if cfg.per_layer_metrics:  # Marin saw update spikes larger in the lower layers
-            metrics["grad_norm_per_layer"] = per_layer_norms(grads)
-            metrics["update_norm_per_layer"] = per_layer_norms(updates)
-            metrics |= {f"{w}_norm": per_layer_norms({"layers": {w: params["layers"][w]}})
-                        for w in ("wq", "wk")}
+        if cfg.per_layer_metrics:
+            metrics |= per_layer_metrics(params, grads, updates, opt_state)
         new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
                      "opt_state": opt_state}
         return new_state, metrics
