@@ -35,6 +35,7 @@ from data import TokenData
 from model import decay_mask, init_params, loss_fn
 from optim import make_optimizer, opt_metrics
 from report import find_shifts, find_spikes
+from train import per_layer_metrics
 
 OUT = pathlib.Path("results/search.json")
 CURVES = pathlib.Path("results/search")
@@ -108,9 +109,6 @@ def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print) -> 
     members = member_grid(g)
     lr_M = jnp.array([lr for lr, _ in members], jnp.float32)
     tx = make_optimizer(cfg.optim, cfg.steps, decay_mask(cfg.model))
-    mesh = jax.make_mesh((1, 1), ("data", "model"),
-                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
-    jax.set_mesh(mesh)
 
     def init(seed):
         params = init_params(cfg.model, jax.random.key(seed))
@@ -124,7 +122,8 @@ def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print) -> 
         updates = jax.tree.map(lambda u: lr * u, updates)
         om = opt_metrics(opt_state)
         metrics = {"loss": loss, "grad_norm": om["grad_norm"], "update_norm": om["update_norm"],
-                   "attn_logit_max": aux["attn_logit_max"]}
+                   "attn_logit_max": aux["attn_logit_max"],
+                   **per_layer_metrics(state["params"], grads, updates, opt_state)}
         return {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
                 "opt_state": opt_state}, metrics
 
@@ -135,23 +134,31 @@ def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print) -> 
         return jnp.mean(jax.lax.map(lambda t: loss_fn(params, t, cfg.model)[1]["ce"],
                                     tokens_EBT1))
 
+    mesh = jax.make_mesh((1, 1), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh):
+        return stacked_run(g, cfg, members, init, run_chunk, evaluate, chunk, eval_every, log)
+
+
+def stacked_run(g, cfg, members, init, run_chunk, evaluate, chunk, eval_every, log) -> dict:
     state = jax.jit(jax.vmap(init))(jnp.array([s for _, s in members]))
     step_fn = jax.jit(run_chunk, donate_argnums=0)
     eval_fn = jax.jit(jax.vmap(evaluate, in_axes=(0, None)))
     datas = {s: TokenData(dataclasses.replace(cfg.data, seed=s)) for s in g.seeds}
     held_out = jnp.asarray(datas[g.seeds[0]].held_out_batches())
-    out = {k: [] for k in ("loss", "grad_norm", "update_norm", "attn_logit_max")}
+    out: dict = {}
     evals, t0 = [], time.time()
     for c0 in range(0, g.steps, chunk):
         tokens = np.stack([np.stack([datas[s].batch(c0 + i) for _, s in members])
-                           for i in range(chunk)])
+                           for i in range(min(chunk, g.steps - c0))])
         state, metrics = step_fn(state, tokens)
         for k, v in jax.device_get(metrics).items():  # [chunk, M, ...]
-            out[k].append(v)
-        if (c0 + chunk) % eval_every == 0 or c0 + chunk >= g.steps:
-            evals.append((c0 + chunk, np.asarray(eval_fn(state["params"], held_out))))
+            out.setdefault(k, []).append(v)
+        done = min(c0 + chunk, g.steps)
+        if done % eval_every == 0 or done == g.steps:
+            evals.append((done, np.asarray(eval_fn(state["params"], held_out))))
             loss_now = np.mean(out["loss"][-1], axis=0)
-            log(f"  {g.name} step {c0 + chunk}/{g.steps}: train "
+            log(f"  {g.name} step {done}/{g.steps}: train "
                 + " ".join(f"{x:.2f}" for x in loss_now) + f" ({time.time() - t0:.0f} s)")
     arrays = {k: np.concatenate(v).swapaxes(0, 1) for k, v in out.items()}  # [M, steps, ...]
     arrays["eval_step"] = np.array([s for s, _ in evals])

@@ -1973,6 +1973,27 @@ def test_lr_sensitivity_recovery_and_the_spread_rule():
     assert E.compare({"eval_loss": E.spread([1.7, 1.75, 1.8])}, base) == "better (-0.350)"
     assert E.compare({"eval_loss": E.spread([2.5, 2.6, 2.7])}, base) == "worse (+0.500)"
 
+@pytest.mark.slow
+def test_a_search_member_is_the_train_py_run_of_its_lr_and_seed(tmp_path):
+    """search.py trains several LRs and seeds in one vmapped step, each LR applied outside the
+    optimizer: each member's losses are those of the plain train.py run (to float32 rounding)."""
+    import search as SE
+    g = SE.Group("test", d_model=32, n_layers=2, steps=6, warmup_steps=2, lrs=(3e-3, 2e-2),
+                 seeds=(0, 1))
+    arrays = SE.train_group(g, chunk=4, eval_every=6, log=lambda s: None)
+    assert arrays["loss"].shape == (4, 6) and arrays["attn_logit_max"].shape == (4, 6, 2)
+    base = g.config()
+    for i, (lr, seed) in enumerate(SE.member_grid(g)):
+        if i not in (1, 2):  # (3e-3, seed 1) and (2e-2, seed 0): both axes of the grid
+            continue
+        cfg = dataclasses.replace(base, run_dir=str(tmp_path / f"m{i}"), seed=seed,
+                                  optim=dataclasses.replace(base.optim, lr=lr),
+                                  data=dataclasses.replace(base.data, seed=seed))
+        T.train(cfg, devices=jax.devices()[:1])
+        losses = R.read_metrics(cfg.run_dir)["loss"]
+        np.testing.assert_allclose(arrays["loss"][i], losses, rtol=2e-5)
+
+
 def test_each_experiment_row_names_its_baseline_source_and_figure(tmp_path):
     """Adding a lever is one row: its baseline, its source and its panels are declared on it,
     and the table and the figures follow the rows (no list of names elsewhere)."""
