@@ -68,3 +68,36 @@ def quiet_closed_loops(unraisable, default=sys.unraisablehook) -> None:
     if not (isinstance(unraisable.exc_value, RuntimeError)
             and "Event loop is closed" in str(unraisable.exc_value)):
         default(unraisable)
+
+
+def check_new_folder(path, flag: str) -> None:
+    """Raise UserError unless `path` can become a new output folder: not an existing file or
+    non-empty folder, no parent that is a file, and not inside a run's checkpoints (a folder
+    named checkpoints beside a config.json), where orbax would take it for a checkpoint."""
+    import pathlib
+    path = pathlib.Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise UserError(f"{flag} {path} exists and is not empty: choose a new folder")
+    for parent in path.absolute().parents:
+        if parent.exists() and not parent.is_dir():
+            raise UserError(f"{flag} {path}: {parent} is a file, not a folder")
+        if parent.name == "checkpoints" and (parent.parent / "config.json").is_file():
+            raise UserError(f"{flag} {path} lies inside the checkpoints of the run "
+                            f"{parent.parent}: choose a folder outside it")
+
+
+def claim_partial(out, marker: str):
+    """A fresh `OUT.partial` folder to write into before renaming it to OUT, holding the file
+    `marker`. One that a killed earlier attempt of this program left (it holds `marker`) is
+    replaced; any other is the user's, and refused, never deleted."""
+    import pathlib
+    import shutil
+    partial = pathlib.Path(f"{out}.partial")
+    if partial.exists():
+        if not (partial / marker).is_file():
+            raise UserError(f"{partial} exists and was not written by this program: move it "
+                            "away, or choose another folder")
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    (partial / marker).write_text("written by spikefix; renamed into place once complete\n")
+    return partial

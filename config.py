@@ -54,6 +54,8 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, "
                                  f"got {getattr(self, name)}")
+        if self.seed < 0:
+            raise ValueError(f"--seed must be >= 0, got {self.seed}")
         if self.mesh.data <= 0 or self.mesh.model <= 0:
             raise ValueError("--mesh.data and --mesh.model must be positive")
 
@@ -138,7 +140,11 @@ def config_from_dict(d: dict) -> TrainConfig:
         node[leaf] = value
     for key, value in flatten(nested).items():
         check_type(key, value)
-    return TrainConfig(**{k: subs[k](**v) if k in subs else v for k, v in nested.items()})
+    cfg = TrainConfig(**{k: subs[k](**v) if k in subs else v for k, v in nested.items()})
+    missing = [k for k in ("model", "optim", "data", "steps") if k not in nested]
+    if missing:  # every version wrote these: a config.json without them is not a run's
+        raise ValueError(f"it has no {', '.join(missing)}")
+    return cfg
 
 
 def check_type(key: str, value) -> None:

@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from cli import UserError, command, parse
+from cli import UserError, check_new_folder, command, parse
 
 LLMC_MAGIC = {20240520: np.uint16, 20240801: np.uint32}  # llm.c: GPT-2 shards, Llama-3 shards
 LLMC_HEADER_INTS = 256
@@ -53,6 +53,8 @@ class DataConfig:
     def __post_init__(self):
         if self.seq_len <= 0 or self.batch_size <= 0:
             raise ValueError("data.seq_len and data.batch_size must be positive")
+        if self.seed < 0:
+            raise ValueError(f"data.seed must be >= 0, got {self.seed}")
         if self.eval_sequences <= 0:
             raise ValueError("data.eval_sequences must be positive")
         if not 0 < self.held_out_fraction < 1:
@@ -288,8 +290,7 @@ def prepare(args: PrepareArgs) -> dict:
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers, trainers
     out = pathlib.Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--out {out} exists and is not empty: choose a new folder")
+    check_new_folder(out, "--out")
     if args.text and not pathlib.Path(args.text).exists():
         raise ValueError(f"--text {args.text} does not exist")
     files = stdlib_files() if not args.text else [pathlib.Path(args.text)] if pathlib.Path(
@@ -319,6 +320,9 @@ def prepare(args: PrepareArgs) -> dict:
     tokens = np.concatenate(ids)
     n_val = min(max(int(tokens.size * args.val_fraction), 4096), tokens.size // 2)
     train, val = tokens[:-n_val], tokens[-n_val:]  # the stream's tail: validation
+    if train.size < 2:
+        raise ValueError(f"--text {args.text or 'the corpus'} encodes to {tokens.size} tokens: "
+                         "too little to train on (give more text)")
     out.mkdir(parents=True, exist_ok=True)
     write_llmc(out / "data_train_000000.bin", train)
     write_llmc(out / "data_val_000000.bin", val)

@@ -15,7 +15,6 @@ and the head is untied. Only the weight matrices are transposed to torch's [out,
 import dataclasses
 import json
 import pathlib
-import shutil
 import sys
 
 import jax
@@ -23,7 +22,7 @@ import numpy as np
 import tyro
 
 from checkpoint import abstract_state, checkpoint_manager, restore_checkpoint
-from cli import UserError, command, parse
+from cli import UserError, check_new_folder, claim_partial, command, parse
 from config import load_checkpointed
 from data import TokenData
 from distributed import MeshConfig, make_mesh
@@ -185,21 +184,22 @@ def check_with_transformers(folder: pathlib.Path, cfg, params: dict) -> float:
     return diff
 
 
+PARTIAL_MARKER = "spikefix-export"
+
+
 def export(args: ExportArgs) -> pathlib.Path:
     run, out = pathlib.Path(args.run), pathlib.Path(args.to)
     cfg, step = load_checkpointed(run, args.step)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"--to {out} exists and is not empty: choose a new folder")
+    check_new_folder(out, "--to")
     from safetensors.numpy import save_file
     params = restore_params(run, step, cfg)
     tensors = to_hf(params, cfg.model)
-    partial = out.with_name(out.name + ".partial")  # renamed into place once complete
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    partial = claim_partial(out, PARTIAL_MARKER)  # renamed into place once complete
     (partial / "config.json").write_text(json.dumps(hf_config(cfg.model, cfg.data.seq_len),
                                                     indent=2))
     save_file(tensors, partial / "model.safetensors",
               metadata={"format": "pt", "spikefix_run": str(run), "spikefix_step": str(step)})
+    (partial / PARTIAL_MARKER).unlink()
     if out.exists():
         out.rmdir()
     partial.rename(out)

@@ -13,6 +13,7 @@ untrained.
 """
 
 import dataclasses
+import os
 import pathlib
 import sys
 import time
@@ -45,13 +46,30 @@ class SampleArgs:
 
 
 def codec(cfg: TrainConfig):
-    """(encode, decode) of the run's tokens: its tokenizer.json, else UTF-8 bytes."""
+    """(encode, decode) of the run's tokens: its tokenizer.json, or UTF-8 bytes for a byte-level
+    run (vocab 256). A prompt the shell could not decode as UTF-8 keeps its raw bytes."""
     tokenizer = pathlib.Path(cfg.data.source) / "tokenizer.json" if cfg.data.source else None
     if tokenizer is not None and tokenizer.is_file():
         import tokenizers
-        tok = tokenizers.Tokenizer.from_file(str(tokenizer))
-        return (lambda text: tok.encode(text).ids), (lambda ids: tok.decode(list(ids)))
-    return (lambda text: list(text.encode())), (lambda ids: bytes(ids).decode("utf-8", "replace"))
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(tokenizer))
+        except Exception as e:  # the library's own error types: not a tokenizer file
+            raise UserError(f"{tokenizer} is not a tokenizer.json ({type(e).__name__}): "
+                            "restore the file `data.py prepare` wrote") from None
+
+        def encode(text):
+            try:
+                return tok.encode(text).ids
+            except UnicodeEncodeError:
+                raise UserError("--prompt is not valid UTF-8: a BPE run's tokenizer needs "
+                                "text") from None
+        return encode, (lambda ids: tok.decode(list(ids)))
+    if cfg.model.vocab_size != 256:
+        raise UserError(f"no tokenizer.json in {cfg.data.source or 'the run'}: this run's "
+                        f"{cfg.model.vocab_size}-token vocabulary is not bytes; put the "
+                        "tokenizer.json `data.py prepare` wrote beside its shards")
+    return (lambda text: list(text.encode("utf-8", "surrogateescape")),
+            lambda ids: bytes(ids).decode("utf-8", "replace"))
 
 
 def make_generate(cfg: ModelConfig, temperature: float, top_k: int):
@@ -104,6 +122,16 @@ def sample(args: SampleArgs) -> str:
     if max(prompt) >= cfg.model.vocab_size:
         raise UserError(f"the prompt holds token {max(prompt)}, outside the model's vocab of "
                         f"{cfg.model.vocab_size}")
+    if args.top_k > cfg.model.vocab_size:
+        raise UserError(f"--top-k {args.top_k} exceeds the vocabulary of "
+                        f"{cfg.model.vocab_size}: give at most that (0 = all)")
+    m = cfg.model
+    cache = 2 * m.n_layers * (len(prompt) + args.max_new_tokens) * m.n_kv_heads * m.head_dim * 4
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if cache > memory // 2:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens} needs a {cache / 2**30:.0f} GiB "
+                        f"KV cache, more than half of this machine's {memory / 2**30:.0f} GiB: "
+                        "ask for fewer tokens")
     params = restore_params(run, step, cfg)
     ids, seconds = generate(params, cfg.model, prompt, args)
     total = len(prompt) + len(ids)

@@ -1144,6 +1144,18 @@ BAD_INPUTS = [
     ("sample", ["{trained}", "--prompt", ""], "the prompt is 0 tokens"),
     ("sample", ["{trained}", "--temperature", "-1"], "--temperature a finite number"),
     ("sample", ["{trained}", "--top-k", "-2"], "--top-k >= 0"),
+    ("sample", ["{trained}", "--top-k", "1000"], "--top-k 1000 exceeds the vocabulary of 256"),
+    ("sample", ["{trained}", "--max-new-tokens", "1000000000"], "GiB KV cache, more than half"),
+    ("train", ["--resume", "{config_empty}"], "is not a spikefix config (it has no model, optim"),
+    ("train", ["--data.seed", "-1"], "data.seed must be >= 0, got -1"),
+    ("train", ["--seed", "-1"], "--seed must be >= 0, got -1"),
+    ("export", ["{trained}", "--to", "{short}/hf"], "short.txt is a file, not a folder"),
+    ("export", ["{trained}", "--to", "{trained}/checkpoints/99"],
+     "lies inside the checkpoints of the run"),
+    ("export", ["{trained}", "--to", "{user_out}"], "was not written by this program"),
+    ("data", ["prepare", "--text", "{one_byte}", "--vocab-size", "300", "--out", "{run}"],
+     "encodes to 1 tokens: too little to train on"),
+    ("data", ["prepare", "--text", "{one_byte}", "--out", "{short}/o"], "is a file, not a folder"),
     # --resume, Hugging Face folders in and out, W&B
     ("train", ["--resume", "{run}"], "no config.json there"),
     ("train", ["--resume"], "--resume needs a run directory"),
@@ -1190,7 +1202,8 @@ def bad_files(tmp_path_factory, straight_run):
              "empty_metrics": "", "lossless_metrics": '{"step": 0}\n{"step": 1}\n',
              "config_list": "[]", "config_null": "null", "config_steps_text": '{"steps": "ten"}',
              "config_model_number": '{"model": 5}', "config_lr_text": '{"optim": {"lr": "fast"}}',
-             "config_lr_nan": '{"optim": {"lr": NaN}}', "config_unknown": '{"nonsense": 1}'}
+             "config_lr_nan": '{"optim": {"lr": NaN}}', "config_unknown": '{"nonsense": 1}',
+             "config_empty": "{}"}
     for name, text in texts.items():
         (d / name).mkdir()
         (d / name / ("metrics.jsonl" if "metrics" in name else "config.json")).write_text(text)
@@ -1199,6 +1212,9 @@ def bad_files(tmp_path_factory, straight_run):
     llmc_shard(d / "shards" / "x_train_000000.bin", np.arange(5000) % 100)
     llmc_shard(d / "shards" / "x_train_000001.bin", np.full(100, 200))
     (d / "empty_dir").mkdir()
+    (d / "user_out.partial").mkdir()  # the user's own folder, beside an export's --to
+    (d / "user_out.partial" / "notes.txt").write_text("mine")
+    (d / "one_byte.txt").write_bytes(b"a")
     (d / "checkpoints_file").mkdir()
     (d / "checkpoints_file" / "checkpoints").write_text("not a directory")
     return {"empty": d / "empty.txt", "big_ids": d / "big.npy", "short": d / "short.txt",
@@ -1207,6 +1223,7 @@ def bad_files(tmp_path_factory, straight_run):
             "bad_magic": d / "bad_magic.bin",
             "existing": existing, "trained": pathlib.Path(straight_run[0].run_dir),
             "hf_llama": d / "hf_llama", "shards": d / "shards", "empty_dir": d / "empty_dir",
+            "user_out": d / "user_out", "one_byte": d / "one_byte.txt",
             **{n: d / n for n in [*texts, "checkpoints_file"]}}
 
 
