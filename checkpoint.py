@@ -201,6 +201,10 @@ def check_run_dir(run_dir: pathlib.Path, resume_step: int | None = None) -> None
     if (run_dir / "checkpoints").exists() and not (run_dir / "checkpoints").is_dir():
         raise UserError(f"{run_dir}/checkpoints exists and is not a directory: move it away, "
                         "or use another --run-dir")
+    for name in ("metrics.jsonl", "config.json"):
+        if (run_dir / name).exists() and not (run_dir / name).is_file():
+            raise UserError(f"{run_dir}/{name} exists and is not a file: move it away, or use "
+                            "another --run-dir")
     if resume_step is not None and resume_step not in (steps := saved_steps(run_dir)):
         raise UserError(f"no checkpoint at step {resume_step} in {run_dir}; "
                         f"saved steps: {steps or 'none'}")

@@ -109,6 +109,8 @@ def shard_paths(source: str, split: str = "all") -> list[pathlib.Path] | None:
     if not path.exists():
         raise ValueError(f"data source {source!r} does not exist: give a text file, a folder, "
                          "a glob, or a .npy or .bin token file")
+    if not (path.is_file() or path.is_dir()):  # a FIFO or a device: reading could block
+        raise ValueError(f"data source {source!r} is neither a regular file nor a folder")
     if path.is_file():
         return [path] if path.suffix in SHARD_SUFFIXES else None
     shards = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SHARD_SUFFIXES)
@@ -134,7 +136,10 @@ def load_tokens(source: str, vocab_size: int = 2**31 - 1, split: str = "train"):
     parts = []
     for path in paths:
         tokens = _load_npy(path) if path.suffix == ".npy" else _load_bin(path)
-        if tokens.size and (int(tokens.max()) >= vocab_size or int(tokens.min()) < 0):
+        if tokens.size and int(tokens.min()) < 0:
+            raise ValueError(f"{path} holds token id {int(tokens.min())}: token ids are >= 0; "
+                             "fix the tokenizer")
+        if tokens.size and int(tokens.max()) >= vocab_size:
             raise ValueError(f"{path} holds token id {int(tokens.max())}, outside the vocab of "
                              f"{vocab_size}: raise --model.vocab-size or fix the tokenizer")
         parts.append(tokens)
@@ -181,6 +186,8 @@ def _load_npy(path: pathlib.Path) -> np.ndarray:
 
 def _load_bin(path: pathlib.Path) -> np.ndarray:
     size = path.stat().st_size
+    if size == 0:
+        raise ValueError(f"{path} is empty: a .bin token file holds tokens")
     if size >= LLMC_HEADER_INTS * 4:
         header = np.fromfile(path, dtype="<i4", count=LLMC_HEADER_INTS)
         if int(header[0]) in LLMC_MAGIC:

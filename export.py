@@ -117,9 +117,10 @@ def load_hf(folder: pathlib.Path, cfg: ModelConfig) -> dict:
     try:
         hf = json.loads((folder / "config.json").read_text())
         tensors = load_file(folder / "model.safetensors")
-    except (OSError, ValueError, json.JSONDecodeError) as e:
+    except Exception as e:  # OSError, JSON's, safetensors' own (a truncated file)
+        cause = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(f"--init-from-hf {folder}: not a Hugging Face model folder with "
-                        f"config.json and model.safetensors ({e})") from None
+                        f"config.json and a readable model.safetensors ({cause})") from None
     if not isinstance(hf, dict):
         raise UserError(f"--init-from-hf {folder}/config.json is not a model config")
     if "rope_theta" not in hf:  # transformers 5 writes it under rope_parameters
@@ -137,6 +138,10 @@ def load_hf(folder: pathlib.Path, cfg: ModelConfig) -> dict:
     if diffs:
         raise UserError(f"--init-from-hf {folder} has {'; '.join(diffs)}: set the --model.* "
                         "flags to the folder's model")
+    bad = [name for name, t in tensors.items() if not np.all(np.isfinite(t))]
+    if bad:
+        raise UserError(f"--init-from-hf {folder}: {bad[0]} holds non-finite values (NaN or "
+                        "inf); nothing was trained from it")
     return from_hf(tensors, cfg)
 
 

@@ -144,7 +144,14 @@ def read_metrics(run: str | pathlib.Path) -> dict[str, np.ndarray]:
     if not all("loss" in r for r in records):
         raise UserError(f"{path} has records without a loss: not a train.py metrics file")
     keys = [k for k in records[0] if all(k in r for r in records)]
-    out = {k: np.array([r[k] for r in records], dtype=np.float64) for k in keys}
+    out = {}
+    for k in keys:
+        try:
+            out[k] = np.array([np.nan if r[k] is None else r[k] for r in records],
+                              dtype=np.float64)
+        except (TypeError, ValueError):
+            raise UserError(f"{path}: {k!r} is not a number in every record; was the file "
+                            "edited?") from None
     if "eval_loss" not in out:
         evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
         out["eval_step"], out["eval_loss"] = (np.array(x, dtype=np.float64)

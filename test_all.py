@@ -1169,6 +1169,13 @@ BAD_INPUTS = [
      "intermediate_size 128 (flags give 256)"),
     ("train", ["--init-from-hf", "{hf_llama}", "--model.qk-norm"], "architectures"),
     ("train", ["--init-from-hf", "{empty}"], "not a Hugging Face model folder"),
+    ("train", ["--data.source", "{negative}"], "negative.npy holds token id -1"),
+    ("train", ["--data.source", "{zero_bin}"], "zero.bin is empty"),
+    ("train", ["--data.source", "{fifo}"], "is neither a regular file nor a folder"),
+    ("train", ["--run-dir", "{metrics_dir}"], "metrics.jsonl exists and is not a file"),
+    ("report", ["{string_loss_metrics}"], "'loss' is not a number in every record"),
+    ("train", ["--init-from-hf", "{hf_nan}"], "model.layers.1.mlp.up_proj.weight holds non-finite"),
+    ("train", ["--init-from-hf", "{hf_truncated}"], "and a readable model.safetensors"),
     ("train", ["--wandb.timeout", "0"], "wandb.timeout must be positive"),
     ("train", ["--wandb.mode", "sometimes"], "--wandb.mode"),
     ("export", ["{trained}", "--to", "{run}", "--step", "5"], "no checkpoint at step 5"),
@@ -1203,11 +1210,19 @@ def bad_files(tmp_path_factory, straight_run):
              "config_list": "[]", "config_null": "null", "config_steps_text": '{"steps": "ten"}',
              "config_model_number": '{"model": 5}', "config_lr_text": '{"optim": {"lr": "fast"}}',
              "config_lr_nan": '{"optim": {"lr": NaN}}', "config_unknown": '{"nonsense": 1}',
-             "config_empty": "{}"}
+             "config_empty": "{}", "string_loss_metrics": '{"step": 0, "loss": "high"}\n'}
     for name, text in texts.items():
         (d / name).mkdir()
         (d / name / ("metrics.jsonl" if "metrics" in name else "config.json")).write_text(text)
     E.export(E.ExportArgs(run=straight_run[0].run_dir, to=str(d / "hf_llama")))
+    from safetensors.numpy import load_file, save_file
+    for name in ("hf_nan", "hf_truncated"):
+        shutil.copytree(d / "hf_llama", d / name)
+    tensors = load_file(d / "hf_nan" / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = np.nan
+    save_file(tensors, d / "hf_nan" / "model.safetensors")
+    whole = (d / "hf_truncated" / "model.safetensors").read_bytes()
+    (d / "hf_truncated" / "model.safetensors").write_bytes(whole[:len(whole) // 2])
     (d / "shards").mkdir()
     llmc_shard(d / "shards" / "x_train_000000.bin", np.arange(5000) % 100)
     llmc_shard(d / "shards" / "x_train_000001.bin", np.full(100, 200))
@@ -1215,6 +1230,10 @@ def bad_files(tmp_path_factory, straight_run):
     (d / "user_out.partial").mkdir()  # the user's own folder, beside an export's --to
     (d / "user_out.partial" / "notes.txt").write_text("mine")
     (d / "one_byte.txt").write_bytes(b"a")
+    np.save(d / "negative.npy", np.r_[np.arange(200), -1].astype(np.int32))
+    (d / "zero.bin").write_bytes(b"")
+    os.mkfifo(d / "fifo")
+    (d / "metrics_dir" / "metrics.jsonl").mkdir(parents=True)
     (d / "checkpoints_file").mkdir()
     (d / "checkpoints_file" / "checkpoints").write_text("not a directory")
     return {"empty": d / "empty.txt", "big_ids": d / "big.npy", "short": d / "short.txt",
@@ -1224,6 +1243,9 @@ def bad_files(tmp_path_factory, straight_run):
             "existing": existing, "trained": pathlib.Path(straight_run[0].run_dir),
             "hf_llama": d / "hf_llama", "shards": d / "shards", "empty_dir": d / "empty_dir",
             "user_out": d / "user_out", "one_byte": d / "one_byte.txt",
+            "hf_nan": d / "hf_nan", "hf_truncated": d / "hf_truncated",
+            "negative": d / "negative.npy", "zero_bin": d / "zero.bin", "fifo": d / "fifo",
+            "metrics_dir": d / "metrics_dir",
             **{n: d / n for n in [*texts, "checkpoints_file"]}}
 
 
