@@ -69,12 +69,16 @@ def join(coordinator: str | None, n: int | None, pid: int | None, timeout: int) 
         host, _, port = coordinator.rpartition(":")
         if not host or not port.isdigit():
             raise UserError(f"--dist.coordinator must be HOST:PORT, got {coordinator!r}")
-        deadline = time.monotonic() + timeout
+        deadline, said = time.monotonic() + timeout, False
         while True:
             try:
                 socket.create_connection((host, int(port)), timeout=2).close()
                 break
             except OSError as e:
+                if not said:  # say at once what it waits for, and for how long
+                    print(f"process {pid}: waiting up to {timeout}s (--dist.timeout) for the "
+                          f"coordinator {coordinator}", flush=True)
+                    said = True
                 if time.monotonic() > deadline:
                     raise UserError(f"could not reach --dist.coordinator {coordinator} within "
                                     f"--dist.timeout {timeout}s ({e.strerror or e}): is process "

@@ -1413,6 +1413,8 @@ def test_an_unreachable_coordinator_fails_in_one_line_within_the_timeout(tmp_pat
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert "could not reach --dist.coordinator" in out.stderr and "within --dist.timeout 2s" \
         in out.stderr and not (tmp_path / "r").exists()
+    assert out.stdout.startswith("process 1: waiting up to 2s (--dist.timeout) for the "
+                                 "coordinator 127.0.0.1:"), out.stdout  # said at once
 
 
 @pytest.mark.slow
