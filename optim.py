@@ -220,15 +220,16 @@ def skip_step(inner: optax.GradientTransformation, window: int = 128, sigma: flo
     Non-finite steps are the job of `refuse_nonfinite`, which make_optimizer puts around this.
 
     Where this differs from the anchors, and why:
-    - A skipped outlier enters the history *clipped to the threshold*. OLMo-core and Levanter
-      record the raw value, so one +8-nat batch inflates the std for a whole window and blinds
-      the rule: a later +2-nat poisoned batch slips under the raised threshold and is applied.
+    - A skipped outlier never enters the history. OLMo-core and Levanter record the raw value,
+      so one +8-nat batch inflates the std for a whole window and blinds the rule: a later
+      +2-nat poisoned batch slips under the raised threshold and is applied. (Recording it
+      clipped to the threshold, as this rule once did, still let the threshold climb with
+      each skip under a short window: 4.2 -> 9.5 nats after three skips at window 16.)
     - A non-finite value is not recorded at all (the anchors record it; one NaN then makes the
       threshold NaN and disables the rule for a whole window).
     - After `patience` outlier skips in a row the rule concludes that the loss has settled at
       a new level (e.g. a new data mixture): that step is applied and the history starts over
-      from it (re-armed after window // 2 new steps). Clipped recording alone would let the
-      threshold creep up only slowly, and a run could stall, skipping every step for good.
+      from it (re-armed after window // 2 new steps), so a run never stalls.
 
     Needs the loss: `tx.update(grads, state, params, loss=loss)`.
     """
@@ -253,11 +254,9 @@ def skip_step(inner: optax.GradientTransformation, window: int = 128, sigma: flo
                                    new_inner, state.inner_state)
         count = jnp.where(settled, 0, state.count)  # a new level: the history starts over
 
-        def recorded(value, threshold):  # a skipped outlier enters clipped to the threshold
-            return jnp.where(skipped, jnp.minimum(value, threshold), value)
-        loss_hist, _ = _record(state.loss_history, count, recorded(loss, loss_thr), finite)
-        gn_hist, count = _record(state.grad_norm_history, count, recorded(grad_norm, gn_thr),
-                                 finite)
+        kept = finite & ~skipped  # a skipped outlier never enters the history
+        loss_hist, _ = _record(state.loss_history, count, loss, kept)
+        gn_hist, count = _record(state.grad_norm_history, count, grad_norm, kept)
         in_a_row = jnp.where(skipped, state.outliers_in_a_row + 1,
                              jnp.where(finite, 0, state.outliers_in_a_row))
         return updates, SkipStepState(inner_state, loss_hist, gn_hist, count, in_a_row,

@@ -274,10 +274,9 @@ def numpy_skip_rule(losses, grad_norms, window, sigma, patience=32, as_anchors=F
         skip = not finite or (outlier and not settled)
         if settled:  # the new level is accepted; the history starts over
             hist_l, hist_g = [], []
-        if finite:
-            clip = skip and not as_anchors
-            hist_l.append(min(loss, thr_l) if clip else loss)
-            hist_g.append(min(gn, thr_g) if clip else gn)
+        if finite and (as_anchors or not skip):  # ours never records a skipped outlier
+            hist_l.append(loss)
+            hist_g.append(gn)
         in_a_row = in_a_row + 1 if outlier and not settled else (0 if finite else in_a_row)
         skipped.append(bool(skip))
     return skipped
@@ -351,8 +350,28 @@ def test_a_skipped_outlier_does_not_blind_the_rule_to_the_next_one():
     # As OLMo-core and Levanter record it (the raw +8 in the history), step 50 is applied.
     assert [i for i, s in enumerate(numpy_skip_rule(losses, grads, 32, 6.0, as_anchors=True))
             if s] == [40]
-    recorded = np.asarray(history[40][1].loss_history)[40 % 32]
-    assert recorded == pytest.approx(float(history[40][1].metrics.loss_threshold))  # clipped
+    before, after = history[40][:2]  # the skipped outlier left the history as it was
+    assert int(after.count) == int(before.count) == 40
+    np.testing.assert_array_equal(np.asarray(after.loss_history), np.asarray(before.loss_history))
+
+
+def test_under_a_short_window_skipped_outliers_do_not_raise_the_threshold():
+    """Window 16, junk batches every 15 steps (+6 nats): all four are skipped, and the loss
+    threshold after them is that of the last 16 clean steps (recorded clipped to the
+    threshold, as this rule once did, each skip raised it); a genuine level change is still
+    accepted after the patience (the next test)."""
+    rng = np.random.default_rng(3)
+    losses = (3.0 + 0.05 * rng.standard_normal(100)).astype(np.float32)
+    junk = [40, 55, 70, 85]
+    losses[junk] += 6.0
+    history = run_skip_step(losses, np.ones(100), window=16)
+    skipped = [h[-1] for h in history]
+    assert [i for i, s in enumerate(skipped) if s] == junk
+    assert skipped == numpy_skip_rule(losses, np.ones(100), 16, 6.0)
+    clean = np.delete(losses[:86], junk)[-16:]  # what the history holds at step 86
+    expected = clean.astype(np.float64).mean() + 6.0 * clean.astype(np.float64).std(ddof=1)
+    assert float(history[86][1].metrics.loss_threshold) == pytest.approx(expected, rel=1e-5)
+    assert expected < 3.6
 
 
 def test_a_permanent_shift_of_the_loss_level_is_accepted_within_the_patience():
