@@ -92,6 +92,10 @@ GROUPS = [
     Group("d64-b2.95", lrs=(6e-3, 1e-2, 1.5e-2, 2e-2)),
     # A stale second moment (beta2 0.999) and a tiny eps (Molybog et al., Bai et al.).
     Group("d64-b2.999-eps1e-15", b2=0.999, eps=1e-15, lrs=(6e-3, 1e-2, 1.5e-2, 2e-2)),
+    # The first group learned at every LR without an instability (logits up to 492; its few
+    # spikes fell on the same steps at every LR of a data seed: hard batches). Learn first at
+    # a low LR, then meet the LR that collapses a fresh model (3e-2) or more: a long warmup.
+    Group("d64-b2.95-warmup1000", warmup_steps=1000, lrs=(3e-2, 5e-2)),
 ]
 
 
@@ -239,7 +243,7 @@ def summary(rows: list[dict]) -> str:
     lines = [f"{'group':<24} {'lr':>7} {'seed':>4} {'S1':>5} {'spikes>S1':>9} {'shifts':>6} "
              f"{'qk spikes':>9} {'held-out':>8} {'qk':>6} {'max logit':>9}"]
     for v in verdicts:
-        lines.append(f"{v['group']:<24} {v['lr']:>7.0e} {v['seed']:>4} {str(v['s1']):>5} "
+        lines.append(f"{v['group']:<24} {v['lr']:>7.1e} {v['seed']:>4} {str(v['s1']):>5} "
                      f"{v['spikes_after_s1']:>9} {v['shifts_after_s1']:>6} "
                      f"{str(v['qk_spikes']):>9} {v['eval']:>8.3f} "
                      f"{v['qk_eval'] if v['qk_eval'] is None else round(v['qk_eval'], 3)!s:>6} "
