@@ -4,6 +4,7 @@ with its outcome, goes to results/search.json.
     python search.py                     # run the groups not yet in results/search.json
     python search.py --list              # the groups and whether each is done
     python search.py --summary           # the table of outcomes (no training)
+    python search.py --markdown          # the README's table of the search
 
 A *group* is one compiled train step over several *members* (learning rates x seeds) stacked
 with `jax.vmap`, stepped `chunk` steps at a time inside one `lax.scan`: one dispatch and one
@@ -254,6 +255,33 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def markdown(rows: list[dict]) -> str:
+    """One table row per group and LR: settings, spikes and level shifts per seed (after S1
+    where the group has a QK-Norm twin), held-out loss mean ± sd, the largest attention logit."""
+    verdicts = {(v["group"], v["lr"], v["seed"]): v for v in judge(rows)}
+    cells: dict = {}
+    for r in rows:
+        cells.setdefault((r["group"], r["lr"]), []).append(r)
+    lines = ["| group | β2 | ε | warmup | LR | spikes per seed | level shifts | S1 (vs QK-Norm) | "
+             "held-out (nats/byte) | max attn logit | spike steps |", "|---" * 11 + "|"]
+    for (group, lr), members in cells.items():
+        m0 = members[0]
+        v = [verdicts.get((group, lr, r["seed"])) for r in members]
+        s1 = ", ".join(str(x["s1"]) if x and x["s1"] is not None else "—" for x in v)
+        if group.endswith("-qk") or all(x is None or x["qk_spikes"] is None for x in v):
+            s1 = "no twin run" if not group.endswith("-qk") else "(the twin)"
+        evals = np.array([r["eval_loss"][-1] for r in members])
+        logits = [r["max_attn_logit"] for r in members]
+        lines.append(
+            f"| {group} | {m0['b2']} | {m0['eps']:g} | {m0['warmup_steps']} | {lr:g} | "
+            f"{', '.join(str(len(r['spike_steps'])) for r in members)} | "
+            f"{', '.join(str(len(r['shift_steps'])) for r in members)} | {s1} | "
+            f"{evals.mean():.3f} ± {evals.std(ddof=1):.3f} | "
+            f"{min(logits):,.0f}–{max(logits):,.0f} | "
+            f"{'; '.join(','.join(map(str, r['spike_steps'])) or '—' for r in members)} |")
+    return "\n".join(lines)
+
+
 def load() -> dict:
     return json.loads(OUT.read_text()) if OUT.exists() else {"machine": {}, "groups": {}}
 
@@ -294,8 +322,12 @@ def main(argv: list[str]) -> int:
         for g in groups:
             print(f"{g.name:<28} {'done' if g.name in record['groups'] else 'to run'}")
         return 0
+    rows = [r for v in record["groups"].values() for r in v["members"]]
     if "--summary" in argv:
-        print(summary([r for v in record["groups"].values() for r in v["members"]]))
+        print(summary(rows))
+        return 0
+    if "--markdown" in argv:
+        print(markdown(rows))
         return 0
     run(groups)
     return 0
