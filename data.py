@@ -121,6 +121,11 @@ def shard_paths(source: str, split: str = "all") -> list[pathlib.Path] | None:
     return shards
 
 
+def token_unit(source: str) -> str:
+    """What one token of `source` is: "byte" for text (read as bytes), else "token"."""
+    return "byte" if not source or shard_paths(source) is None else "token"
+
+
 def load_tokens(source: str, vocab_size: int = 2**31 - 1, split: str = "train"):
     """A 1-D array of token ids (memory-mapped where the format allows; several shards as a
     `Shards` view, never copied). Every shard's ids are checked against `vocab_size` here."""

@@ -618,6 +618,14 @@ def test_prepare_trains_a_bpe_and_writes_shards_that_train_with_a_validation_spl
     assert text.startswith("import os") and len(text) > len("import os\n")
 
 
+def test_a_run_reports_its_loss_per_byte_for_text_and_per_token_for_shards(tmp_path):
+    (tmp_path / "t.txt").write_text("some text")
+    np.save(tmp_path / "t.npy", np.arange(10, dtype=np.int32))
+    assert [D.token_unit(s) for s in ("", str(tmp_path / "t.txt"), str(tmp_path),
+                                      str(tmp_path / "t.npy"))] == ["byte", "byte", "token",
+                                                                    "token"]
+
+
 def test_a_pickled_npy_is_refused(tmp_path):
     np.save(tmp_path / "p.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(ValueError, match="not a plain .npy"):

@@ -45,7 +45,7 @@ from checkpoint import (
 )
 from cli import UserError, command, parse
 from config import PRESETS, TrainConfig, check_same_run, load_config
-from data import TokenData
+from data import TokenData, token_unit
 from distributed import check_fits, make_mesh, process_rows, say, start_distributed
 from export import load_hf
 from model import count_params, decay_mask, flops_per_token, logical_to_spec, loss_fn
@@ -410,7 +410,8 @@ def main(argv: list[str]) -> int:
     last = train(cfg)
     if last:
         say(f"done: step {last['step'] + 1}, held-out loss {last['eval_loss']:.4f} "
-            f"nats/token, {last.get('avg_tokens_per_s', 0):.0f} tokens/s on average")
+            f"nats/{token_unit(cfg.data.source)}, {last.get('avg_tokens_per_s', 0):.0f} "
+            "tokens/s on average")
     return 0
 
 
