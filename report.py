@@ -237,11 +237,51 @@ def shift_table(shifts: list[Shift], name: str = "") -> str:
     return head + ":\n" + "\n".join(rows)
 
 
+# The OLMo 2 spike score (arXiv 2501.00656, section 3.2): the share of steps whose value lies
+# more than 7 standard deviations above the mean of the previous 1,000 values; OLMo-core's
+# stability monitor uses 6 over the previous 128. Both are reported, for the loss and the
+# gradient norm, as (window, sigma) -> the score.
+SPIKE_SCORES = ((1000, 7.0), (128, 6.0))
+
+
+def spike_score(x: np.ndarray, window: int, sigma: float) -> float:
+    """The share of the steps that have `window` finite values before them whose value lies more
+    than `sigma` standard deviations (of those values) above their mean; a non-finite value
+    counts as a spike and stays out of the later steps' history. NaN if no step has a full
+    history."""
+    x = np.asarray(x, np.float64)
+    ok = np.isfinite(x)
+    finite = np.where(ok, x, 0.0)
+    n = np.concatenate([[0], np.cumsum(ok)])
+    s1 = np.concatenate([[0.0], np.cumsum(finite)])
+    s2 = np.concatenate([[0.0], np.cumsum(finite ** 2)])
+    spikes = scored = 0
+    for i in range(len(x)):
+        lo = np.searchsorted(n, n[i] - window, side="left") if n[i] >= window else -1
+        if lo < 0:
+            continue  # not `window` finite values before step i yet
+        count = n[i] - n[lo]
+        mean = (s1[i] - s1[lo]) / count
+        std = np.sqrt(max((s2[i] - s2[lo]) / count - mean ** 2, 0.0) * count / (count - 1))
+        scored += 1
+        spikes += (not ok[i]) or x[i] > mean + sigma * std
+    return spikes / scored if scored else math.nan
+
+
+def spike_scores(m: dict[str, np.ndarray]) -> dict[str, float]:
+    """{"spike_score_loss_7s1000": ..., "spike_score_grad_norm_6s128": ...} for a run."""
+    return {f"spike_score_{key}_{sigma:g}s{window}": spike_score(m[key], window, sigma)
+            for key in ("loss", "grad_norm") if key in m for window, sigma in SPIKE_SCORES}
+
+
 def event_report(m: dict[str, np.ndarray], name: str = "", rule: SpikeRule = SpikeRule(),
                  shift: ShiftRule = ShiftRule()) -> str:
-    """Both tables for one run's metrics."""
-    return spike_table(find_spikes(m, rule), name) + "\n" + shift_table(find_shifts(m, shift),
-                                                                         name)
+    """Both tables for one run's metrics, and its OLMo 2 spike scores."""
+    scores = ", ".join(f"{k.removeprefix('spike_score_')} {v:.2%}"
+                       for k, v in spike_scores(m).items() if math.isfinite(v))
+    return (spike_table(find_spikes(m, rule), name) + "\n"
+            + shift_table(find_shifts(m, shift), name)
+            + (f"\nOLMo 2 spike scores (share of steps): {scores}" if scores else ""))
 
 
 def summary(m: dict[str, np.ndarray], rule: SpikeRule = SpikeRule(),
@@ -260,7 +300,8 @@ def summary(m: dict[str, np.ndarray], rule: SpikeRule = SpikeRule(),
             "unrecovered_shifts": sum(s.recovered_after is None for s in shifts),
             "events": sorted([(s.step, "spike") for s in spikes]
                              + [(s.step, "shift") for s in shifts]),
-            "skipped_steps": int(np.sum(m.get("skipped", 0)))}
+            "skipped_steps": int(np.sum(m.get("skipped", 0))),
+            **spike_scores(m)}
 
 
 # ---------------------------------------------------------------------------------------------

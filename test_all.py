@@ -1974,6 +1974,33 @@ def test_a_nan_in_the_first_steps_is_no_spike_and_moves_no_level(tmp_path, capsy
     assert R.main([str(run)]) == 0 and "2 loss spikes" in capsys.readouterr().out
 
 
+def test_the_olmo_2_spike_score_counts_the_planted_spikes():
+    rng = np.random.default_rng(0)
+    x = 3 + 0.1 * rng.standard_normal(3000)
+    x[[1200, 1500, 2000, 2500]] += 5.0  # 50 sigma
+    x[2700] = np.nan  # non-finite: a spike, kept out of the history
+    # 7 sigma over the previous 1,000 (the paper): 5 of the 2,000 steps with a full history
+    assert R.spike_score(x, 1000, 7.0) == pytest.approx(5 / 2000)
+    assert R.spike_score(x[:1000], 1000, 7.0) != R.spike_score(x[:1000], 1000, 7.0)  # NaN
+
+    def brute(x, window, sigma):  # the rule restated, one step at a time
+        hits = scored = 0
+        for i in range(len(x)):
+            prev = [v for v in x[:i] if np.isfinite(v)][-window:]
+            if len(prev) < window:
+                continue
+            scored += 1
+            hits += not np.isfinite(x[i]) or x[i] > np.mean(prev) + sigma * np.std(prev, ddof=1)
+        return hits / scored
+    y = x[:700].copy()
+    y[[300, 302, 310]] += [1.0, 2.0, 0.5]  # spikes close together: each raises the next's bar
+    assert R.spike_score(y, 128, 6.0) == pytest.approx(brute(y, 128, 6.0))
+    scores = R.summary({"step": np.arange(3000.0), "loss": x, "eval_loss": np.array([]),
+                        "grad_norm": np.ones(3000)})
+    assert scores["spike_score_loss_7s1000"] == pytest.approx(5 / 2000)
+    assert scores["spike_score_grad_norm_6s128"] == 0.0
+
+
 def test_report_draws_figures_that_are_not_blank(tmp_path, capsys):
     run = planted_metrics(tmp_path / "run")
     assert R.main([str(run), str(run), "--plot", str(tmp_path / "fig")]) == 0
