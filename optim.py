@@ -10,7 +10,7 @@ back:
     chain(
       refuse_nonfinite(                          # always: a non-finite step applies nothing
         skip_step(                               # optional, OLMo 2: the whole step, or nothing
-          chain(clip_by_global_norm(max_grad_norm),
+          chain(clip_by_global_norm(max_grad_norm),  # or ZClip (z-score of an EMA)
                 scale_by_adam(b1, b2, eps),      # or Muon for matrices
                 add_decayed_weights(wd, mask),   # no decay on norms, embeddings
                 update clipping))),              # optional: rolling norm | per-tensor RMS
@@ -44,6 +44,13 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.05  # Marin 32B
     max_grad_norm: float = 1.0  # Marin tightened 1.0 -> 0.2 at ~56k; 0 turns clipping off
+    # "norm": clip the global grad norm at max_grad_norm; "zclip": ZClip (arXiv 2504.02507),
+    # clip a grad norm whose z-score over an EMA of past norms exceeds zclip_z (max_grad_norm
+    # stays the hard cap)
+    grad_clip: Literal["norm", "zclip"] = "norm"
+    zclip_alpha: float = 0.97  # ZClip's defaults: EMA factor, z-score threshold, warmup
+    zclip_z: float = 2.5
+    zclip_warmup: int = 25
     warmup_steps: int = 100  # Marin 32B: 10,000
     decay: Literal["cosine", "linear"] = "cosine"
     decay_fraction: float = 1.0  # decay over this fraction of the steps after warmup (Marin: 0.4)
@@ -65,11 +72,13 @@ class OptimConfig:
             for name in names:
                 if not ok(getattr(self, name)):
                     raise ValueError(f"optim.{name} must be {what}, got {getattr(self, name)}")
-        check(("lr", "eps", "skip_sigma", "update_clip_sigma", "update_rms_threshold"),
+        check(("lr", "eps", "skip_sigma", "update_clip_sigma", "update_rms_threshold",
+               "zclip_z"),
               lambda x: 0 < x < math.inf, "a positive finite number")
         check(("max_grad_norm", "weight_decay"), lambda x: 0 <= x < math.inf,
               ">= 0 and finite (0 turns it off)")
-        check(("b1", "b2"), lambda x: 0 <= x < 1, "in [0, 1)")
+        check(("b1", "b2", "zclip_alpha"), lambda x: 0 <= x < 1, "in [0, 1)")
+        check(("zclip_warmup",), lambda x: x >= 2, ">= 2")
         check(("decay_fraction", "min_lr_ratio", "rewarmup_from_ratio"), lambda x: 0 <= x <= 1,
               "in [0, 1]")
         check(("warmup_steps", "rewarmup_steps"), lambda x: x >= 0, ">= 0")
@@ -158,7 +167,12 @@ class UpdateClipMetrics(NamedTuple):
     threshold: jax.Array
 
 
-METRICS = (NonfiniteMetrics, OutlierMetrics, UpdateClipMetrics)
+class GradClipMetrics(NamedTuple):
+    norm_after: jax.Array  # global grad norm after the clip
+    threshold: jax.Array  # what the norm was clipped to (+inf: not clipped)
+
+
+METRICS = (NonfiniteMetrics, OutlierMetrics, UpdateClipMetrics, GradClipMetrics)
 
 
 def _zeros(cls):
@@ -266,6 +280,58 @@ def skip_step(inner: optax.GradientTransformation, window: int = 128, sigma: flo
 
 
 # ---------------------------------------------------------------------------------------------
+# ZClip (optional, instead of the fixed global-norm clip)
+
+class ZClipState(NamedTuple):
+    warmup_norms: jax.Array  # [warmup] the first grad norms, from which the EMA starts
+    count: jax.Array  # steps seen
+    mean: jax.Array  # EMA of the (clipped) grad norm
+    var: jax.Array  # EMA of its squared deviation
+    metrics: GradClipMetrics
+
+
+def zclip(alpha: float = 0.97, z_thresh: float = 2.5, warmup: int = 25, max_norm: float = 1.0,
+          eps: float = 1e-6) -> optax.GradientTransformation:
+    """ZClip (Kundu et al., arXiv 2504.02507; bluorion-com/ZClip, its defaults and its
+    "zscore" mode with "adaptive_scaling"): the first `warmup` grad norms are only clipped at
+    `max_norm` and collected; the EMA's mean and (population) variance start from them. Then
+    a norm g whose z = (g - mean) / (std + eps) exceeds z_thresh is clipped to
+    mean + z_thresh * std / (z / z_thresh) (the larger the outlier, the harder the clip), and
+    never above `max_norm` (0: no cap). The EMA takes the clipped value: mean <- a*mean +
+    (1-a)*c, then var <- a*var + (1-a)*(c - mean)^2 with the new mean, as the reference does."""
+    cap = max_norm if max_norm > 0 else jnp.inf
+
+    def init(params):
+        f0 = jnp.zeros((), jnp.float32)
+        return ZClipState(jnp.zeros((warmup,), jnp.float32), jnp.zeros((), jnp.int32), f0, f0,
+                          GradClipMetrics(f0, f0))
+
+    def update(grads, state, params=None):
+        norm = optax.tree.norm(grads)
+        ready = state.count >= warmup
+        std = jnp.sqrt(state.var)
+        z = (norm - state.mean) / (std + eps)
+        spike = ready & (z > z_thresh)
+        clip_val = jnp.where(spike, state.mean + z_thresh * std / (z / z_thresh), norm)
+        threshold = jnp.minimum(clip_val, cap)
+        coef = jnp.where(norm > threshold, threshold / (norm + 1e-6), 1.0)
+        grads = jax.tree.map(lambda g: (g * coef).astype(g.dtype), grads)
+
+        buffer = jnp.where(ready, state.warmup_norms,
+                           state.warmup_norms.at[jnp.minimum(state.count, warmup - 1)].set(norm))
+        starts = state.count == warmup - 1  # this step fills the warmup buffer
+        start_mean = jnp.mean(buffer)
+        mean = jnp.where(ready, alpha * state.mean + (1 - alpha) * clip_val,
+                         jnp.where(starts, start_mean, 0.0))
+        var = jnp.where(ready, alpha * state.var + (1 - alpha) * (clip_val - mean) ** 2,
+                        jnp.where(starts, jnp.mean((buffer - start_mean) ** 2), 0.0))
+        metrics = GradClipMetrics(norm * coef, jnp.where(norm > threshold, threshold, jnp.inf))
+        return grads, ZClipState(buffer, state.count + 1, mean, var, metrics)
+
+    return optax.GradientTransformation(init, update)
+
+
+# ---------------------------------------------------------------------------------------------
 # Update clipping (optional), two kinds
 
 class UpdateNormClipState(NamedTuple):
@@ -334,8 +400,12 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, decay_mask
         direction = optax.scale_by_adam(cfg.b1, cfg.b2, cfg.eps)
     else:
         direction = muon_with_adam(cfg, decay_mask)
-    grad_clip = (optax.clip_by_global_norm(cfg.max_grad_norm) if cfg.max_grad_norm > 0
-                 else optax.identity())
+    if cfg.grad_clip == "zclip":
+        grad_clip = zclip(cfg.zclip_alpha, cfg.zclip_z, cfg.zclip_warmup, cfg.max_grad_norm)
+    elif cfg.max_grad_norm > 0:
+        grad_clip = optax.clip_by_global_norm(cfg.max_grad_norm)
+    else:
+        grad_clip = optax.identity()
     update_clip = {"norm": [clip_update_norm(cfg.update_clip_window, cfg.update_clip_sigma)],
                    "rms": [clip_update_rms(cfg.update_rms_threshold, stacked=is_stacked)],
                    "off": []}[cfg.update_clip]
@@ -425,6 +495,10 @@ def opt_metrics(opt_state, max_grad_norm: float = 0.0) -> dict:
         skipped = skipped | o.skipped
         out |= {"skip_loss_threshold": o.loss_threshold,
                 "skip_grad_norm_threshold": o.grad_norm_threshold}
+    if GradClipMetrics in found:  # ZClip: what it clipped to
+        g = found[GradClipMetrics]
+        out |= {"grad_norm_clipped": jnp.where(guard.refused, guard.grad_norm, g.norm_after),
+                "grad_clip_threshold": g.threshold}
     if UpdateClipMetrics in found:
         c = found[UpdateClipMetrics]
         out |= {"update_norm": jnp.where(skipped, 0.0, c.norm_before),

@@ -404,6 +404,54 @@ def test_a_step_whose_update_is_nonfinite_is_skipped():
     assert_trees_equal(before.inner_state, after.inner_state)
 
 
+class ZClipReference:
+    """ZClip's published rule (bluorion-com/ZClip, zclip.py: mode "zscore", clip_option
+    "adaptive_scaling", clip_factor 1) restated in plain Python on a series of grad norms:
+    step(norm) -> the norm after clipping."""
+
+    def __init__(self, alpha=0.97, z_thresh=2.5, max_grad_norm=1.0, eps=1e-6, warmup_steps=25):
+        self.alpha, self.z, self.cap, self.eps, self.warmup = (alpha, z_thresh, max_grad_norm,
+                                                               eps, warmup_steps)
+        self.buffer, self.mean, self.var = [], None, None
+
+    def step(self, norm):
+        def clipped(to):
+            return norm * (to / (norm + 1e-6)) if norm > to else norm
+        if self.mean is None:
+            self.buffer.append(norm)
+            if len(self.buffer) >= self.warmup:
+                self.mean = sum(self.buffer) / len(self.buffer)
+                self.var = sum((x - self.mean) ** 2 for x in self.buffer) / len(self.buffer)
+            return clipped(self.cap)
+        std = self.var ** 0.5
+        z = (norm - self.mean) / (std + self.eps)
+        clip_val = self.mean + (self.z * std) / (z / self.z) if z > self.z else None
+        out = clipped(min(clip_val if clip_val is not None else norm, self.cap))
+        c = clip_val if clip_val is not None else norm
+        self.mean = self.alpha * self.mean + (1 - self.alpha) * c
+        self.var = self.alpha * self.var + (1 - self.alpha) * (c - self.mean) ** 2
+        return out
+
+
+def test_zclip_clips_as_the_published_rule_does():
+    rng = np.random.default_rng(4)
+    norms = np.abs(0.5 + 0.05 * rng.standard_normal(80))
+    norms[[10, 40, 41, 60]] = [3.0, 2.0, 0.9, 5.0]  # one in the warmup (only capped), then spikes
+    tx = O.zclip(max_norm=4.0)
+    state, ref = tx.init({"w": jnp.zeros(4)}), ZClipReference(max_grad_norm=4.0)
+    update = jax.jit(tx.update)
+    ours, theirs = [], []
+    for n in norms:
+        out, state = update({"w": jnp.full(4, n / 2, jnp.float32)}, state)
+        ours.append(float(optax.tree.norm(out)))
+        theirs.append(ref.step(float(np.float32(n))))
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+    clipped = [i for i, (a, n) in enumerate(zip(ours, norms)) if a < n * (1 - 1e-5)]
+    assert clipped == [40, 60]  # 10 fell in the warmup: only capped at 4; 41 within 2.5 sigma
+    assert float(state.mean) == pytest.approx(ref.mean, rel=1e-5)
+    assert float(state.var) == pytest.approx(ref.var, rel=1e-4)
+
+
 def test_the_update_norm_clip_scales_to_its_rolling_threshold():
     tx = O.clip_update_norm(window=4, sigma=2.0)
     state = tx.init(None)
@@ -1175,6 +1223,10 @@ BAD_INPUTS = [
     ("sample", ["{trained}", "--max-new-tokens", "1000000000"], "GiB KV cache, more than half"),
     ("train", ["--resume", "{config_empty}"], "is not a spikefix config (it has no model, optim"),
     ("train", ["--data.seed", "-1"], "data.seed must be >= 0, got -1"),
+    ("train", ["--optim.zclip-z", "-1"], "optim.zclip_z must be a positive finite number"),
+    ("train", ["--optim.zclip-alpha", "1"], "optim.zclip_alpha must be in [0, 1)"),
+    ("train", ["--optim.zclip-warmup", "1"], "optim.zclip_warmup must be >= 2"),
+    ("train", ["--optim.grad-clip", "zlip"], "--optim.grad-clip"),
     ("train", ["--seed", "-1"], "--seed must be >= 0, got -1"),
     ("export", ["{trained}", "--to", "{short}/hf"], "short.txt is a file, not a folder"),
     ("export", ["{trained}", "--to", "{trained}/checkpoints/99"],
