@@ -39,8 +39,8 @@ class ModelConfig:
     init_std: float = 0.02  # OLMo 2: N(0, 0.02)
     dtype: str = "float32"  # compute dtype; "bfloat16" on accelerators (params stay float32)
     # Layers run as a lax.scan loop: compile time independent of depth. False unrolls the loop
-    # (same stacked parameters, same checkpoints): XLA then fuses across layers -- 15% faster
-    # on a 4-layer CPU model, but compile time grows with depth.
+    # (same stacked parameters, same checkpoints): XLA then fuses across layers, faster on a
+    # shallow model (bench/README.md), but compile time grows with depth.
     scan_layers: bool = True
     # Which attention computes the same math (attention.py): auto picks by platform and length;
     # dense is the reference (and what the recorded experiments ran); blockwise is O(T) memory.
