@@ -56,6 +56,9 @@ class TrainConfig:
                                  f"got {getattr(self, name)}")
         if self.seed < 0:
             raise ValueError(f"--seed must be >= 0, got {self.seed}")
+        if self.optim.qk_clip > 0 and self.model.qk_norm:
+            raise ValueError("--optim.qk-clip rescales the q/k weights, whose scale QK-Norm "
+                             "normalises away: use one or the other")
         if self.mesh.data <= 0 or self.mesh.model <= 0:
             raise ValueError("--mesh.data and --mesh.model must be positive")
 
@@ -197,6 +200,11 @@ def load_checkpointed(run_dir: pathlib.Path, step: int | None, flag: str = "",
     return cfg, steps[-1] if step is None else step
 
 
+# Settings that change the math, which a resume may still change on purpose: QK-Clip
+# switched on mid-run (the rescue without new parameters); train.py records the step.
+SWITCHABLE = {"optim.qk_clip", "optim.qk_clip_start"}
+
+
 def check_same_run(stored: TrainConfig, cfg: TrainConfig, taken: int = 0) -> None:
     """A run directory holds one run: its config must agree with the flags, but for RESUMABLE.
     `--steps` may change too where that changes no step already taken (`taken` of them): the
@@ -205,7 +213,7 @@ def check_same_run(stored: TrainConfig, cfg: TrainConfig, taken: int = 0) -> Non
     old, new = flatten(dataclasses.asdict(stored)), flatten(dataclasses.asdict(cfg))
     diffs = [f"{k} (run has {old.get(k)!r}, flags give {new.get(k)!r})"
              for k in sorted(set(old) | set(new))
-             if k not in RESUMABLE and old.get(k) != new.get(k)]
+             if k not in RESUMABLE | SWITCHABLE and old.get(k) != new.get(k)]
     if diffs == [f"steps (run has {stored.steps}, flags give {cfg.steps})"]:
         if cfg.steps <= taken:
             raise UserError(f"{cfg.run_dir} has taken {taken} steps already: give --steps "

@@ -287,14 +287,18 @@ def qkv(h_BTD, p, cfg: ModelConfig, offset=0):
     return rope(q_BTNH, cfg.rope_theta, offset), rope(k_BTKH, cfg.rope_theta, offset), v_BTKH
 
 
-def attention(x_BTD, p, cfg: ModelConfig):
+def attention(x_BTD, p, cfg: ModelConfig, head_stats: bool = False):
     """Causal grouped-query attention in the form cfg.attention selects (attention.py).
-    Returns the output and the max |attention logit| over the causal entries."""
+    Returns the output and its statistics: the max |attention logit| over the causal entries,
+    and with `head_stats` that max per query head ([N], for QK-Clip)."""
     q_BTNH, k_BTKH, v_BTKH = qkv(x_BTD, p, cfg)
     form = A.resolve(cfg.attention, cfg.dtype)
-    out_BTNH, logit_max = A.attend(q_BTNH, k_BTKH, v_BTKH, form, cfg.attention_block,
-                                   shard("batch", "seq", "heads", "head_dim"))
-    return matmul_2d(out_BTNH, p["wo"], ("act_embed",)), logit_max
+    spec = shard("batch", "seq", "heads", "head_dim")
+    out_BTNH, logit_max = A.attend(q_BTNH, k_BTKH, v_BTKH, form, cfg.attention_block, spec)
+    stats = {"attn_logit_max": logit_max}
+    if head_stats:
+        stats["attn_logit_max_per_head"] = A.head_logit_max(q_BTNH, k_BTKH, spec)
+    return matmul_2d(out_BTNH, p["wo"], ("act_embed",)), stats
 
 
 def mlp(x_BTD, p):
@@ -303,25 +307,27 @@ def mlp(x_BTD, p):
     return matmul_2d(jax.nn.silu(gate_BTF) * up_BTF, p["w_down"], ("act_embed",))
 
 
-def forward(params: dict, tokens_BT, cfg: ModelConfig):
-    """Logits [B, T, V] (float32) and per-layer statistics {"attn_logit_max": [L]}."""
+def forward(params: dict, tokens_BT, cfg: ModelConfig, head_stats: bool = False):
+    """Logits [B, T, V] (float32) and per-layer statistics {"attn_logit_max": [L]} (with
+    `head_stats` also "attn_logit_max_per_head": [L, N])."""
     dtype = jnp.dtype(cfg.dtype)
     top = _gather(params, cfg, dtype)
     x_BTD = top["embed"].at[tokens_BT].get(out_sharding=shard("batch", "seq", "act_embed"))
 
     def block(x_BTD, layer_params):
         p = _gather(layer_params, cfg, dtype)
-        attn_BTD, logit_max = attention(rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps), p, cfg)
+        attn_BTD, stats = attention(rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps), p, cfg,
+                                    head_stats)
         x_BTD = x_BTD + attn_BTD
         x_BTD = x_BTD + mlp(rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps), p)
-        return x_BTD, logit_max
+        return x_BTD, stats
 
-    x_BTD, logit_max_L = jax.lax.scan(block, x_BTD, params["layers"],
-                                      unroll=1 if cfg.scan_layers else cfg.n_layers)
+    x_BTD, stats_L = jax.lax.scan(block, x_BTD, params["layers"],
+                                  unroll=1 if cfg.scan_layers else cfg.n_layers)
     x_BTD = rms_norm(x_BTD, top["final_norm"], cfg.norm_eps)
     logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, top["head"],
                             out_sharding=shard("batch", "seq", "act_vocab"))
-    return logits_BTV.astype(jnp.float32), {"attn_logit_max": logit_max_L}
+    return logits_BTV.astype(jnp.float32), stats_L
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,14 +365,15 @@ def forward_cached(params: dict, tokens_BT, cache: dict, cfg: ModelConfig):
     return logits_BTV.astype(jnp.float32), {"k": k, "v": v, "pos": pos + tokens_BT.shape[1]}
 
 
-def loss_fn(params: dict, tokens_BT1, cfg: ModelConfig):
+def loss_fn(params: dict, tokens_BT1, cfg: ModelConfig, head_stats: bool = False):
     """Next-token cross-entropy plus z-loss over a [B, T+1] token batch.
 
     z-loss, weight * logsumexp(logits)**2, keeps the output logits from drifting (PaLM; Marin
-    1e-4, OLMo 2 1e-5). Returns (loss, aux) with aux = {ce, z_loss, attn_logit_max [L]}.
+    1e-4, OLMo 2 1e-5). Returns (loss, aux) with aux = {ce, z_loss, attn_logit_max [L]} (and
+    attn_logit_max_per_head [L, N] with `head_stats`).
     """
     inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
-    logits_BTV, stats = forward(params, inputs_BT, cfg)
+    logits_BTV, stats = forward(params, inputs_BT, cfg, head_stats)
     lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
     target_logit_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
     ce = jnp.mean(lse_BT - target_logit_BT)

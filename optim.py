@@ -7,6 +7,7 @@
 Order, as in Levanter (which Marin used), with the learning rate outside the part a skip rolls
 back:
 
+    [qk_clip(                                    # optional, Kimi K2: rescale hot q/k heads
     chain(
       refuse_nonfinite(                          # always: a non-finite step applies nothing
         skip_step(                               # optional, OLMo 2: the whole step, or nothing
@@ -14,7 +15,7 @@ back:
                 scale_by_adam(b1, b2, eps),      # or Muon for matrices
                 add_decayed_weights(wd, mask),   # no decay on norms, embeddings
                 update clipping))),              # optional: rolling norm | per-tensor RMS
-      scale_by_schedule_at_step(schedule))       # x -schedule(global step)
+      scale_by_schedule_at_step(schedule)))]     # x -schedule(global step)
 
 NOTE: the schedule is read at the global step the trainer passes in, never at a count kept in
 the optimizer state (OLMo-core's scheduler, too, is driven by the trainer's step): a skipped or
@@ -66,6 +67,11 @@ class OptimConfig:
     update_clip_window: int = 128  # rolling update-norm clip (Levanter clip_update_norm)
     update_clip_sigma: float = 2.0  # Marin used 2.0 (Levanter's default is 3.0)
     update_rms_threshold: float = 1.0  # per-tensor RMS clip (Levanter update_rms_clipping)
+    # QK-Clip (Kimi K2, arXiv 2507.20534): after each applied step, rescale the q/k weights of
+    # every head whose max attention logit exceeded this (K2: 100); 0 = off. A resume may
+    # switch it on (the rescue with no new parameters): it then acts from qk_clip_start on.
+    qk_clip: float = 0.0
+    qk_clip_start: int = 0
 
     def __post_init__(self):
         def check(names, ok, what):  # written so that NaN fails every test
@@ -75,13 +81,13 @@ class OptimConfig:
         check(("lr", "eps", "skip_sigma", "update_clip_sigma", "update_rms_threshold",
                "zclip_z"),
               lambda x: 0 < x < math.inf, "a positive finite number")
-        check(("max_grad_norm", "weight_decay"), lambda x: 0 <= x < math.inf,
+        check(("max_grad_norm", "weight_decay", "qk_clip"), lambda x: 0 <= x < math.inf,
               ">= 0 and finite (0 turns it off)")
         check(("b1", "b2", "zclip_alpha"), lambda x: 0 <= x < 1, "in [0, 1)")
         check(("zclip_warmup",), lambda x: x >= 2, ">= 2")
         check(("decay_fraction", "min_lr_ratio", "rewarmup_from_ratio"), lambda x: 0 <= x <= 1,
               "in [0, 1]")
-        check(("warmup_steps", "rewarmup_steps"), lambda x: x >= 0, ">= 0")
+        check(("warmup_steps", "rewarmup_steps", "qk_clip_start"), lambda x: x >= 0, ">= 0")
         check(("rewarmup_start",), lambda x: x >= -1, ">= 0 (or -1: no re-warmup)")
         check(("skip_window", "update_clip_window"), lambda x: x >= 2, ">= 2")
         check(("skip_patience",), lambda x: x >= 1, ">= 1")
@@ -193,6 +199,8 @@ def refuse_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTrans
     `inner`'s state (Adam moments and count, skip and clip histories, their metrics) kept
     exactly as it was. Always on: a NaN step is never applied. Needs the loss:
     `tx.update(grads, state, params, loss=loss)`."""
+    inner = optax.with_extra_args_support(inner)
+
     def init(params):
         return NonfiniteState(inner.init(params), _zeros(NonfiniteMetrics))
 
@@ -417,7 +425,51 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, decay_mask
     )
     if cfg.skip_step:
         inner = skip_step(inner, cfg.skip_window, cfg.skip_sigma, patience=cfg.skip_patience)
-    return optax.chain(refuse_nonfinite(inner), scale_by_schedule_at_step(schedule))
+    tx = optax.chain(refuse_nonfinite(inner), scale_by_schedule_at_step(schedule))
+    return qk_clip(tx, cfg.qk_clip, cfg.qk_clip_start) if cfg.qk_clip > 0 else tx
+
+
+def qk_clip(inner: optax.GradientTransformation, tau: float, start: int = 0
+            ) -> optax.GradientTransformationExtraArgs:
+    """QK-Clip (Kimi K2, arXiv 2507.20534, MuonClip) around the whole optimizer: after an
+    applied step from `start` on, every attention head whose max pre-softmax logit on the
+    step's batch, S (`attn_logit_max_per_head` [L, N], passed to update), exceeded tau has
+    its query and key weights rescaled so that the same batch's max logit would be tau:
+    gamma = min(1, tau / S). The update becomes (W + u) * s - W on that head's slice.
+
+    Grouped-query attention: a key head serves G query heads, and a logit of query head n is
+    (scale of q_n) x (scale of its k). K2's rule scales each by sqrt(gamma). Here the key head
+    takes sqrt of the smallest gamma of its group (the largest need), and each query head
+    gamma_n / that, so every head's logit scales by exactly its own gamma: a clipped head's
+    max becomes tau, an unclipped head's logits stay as they were (its q grows by what its k
+    shrank). With G = 1 this is K2's sqrt(gamma) on both.
+
+    Stateless: the state is `inner`'s, so switching it on mid-run adds nothing to a
+    checkpoint. A step that applied nothing (refused or skipped) clips nothing. QK-Norm
+    normalises the scale of q and k away, so the two are not combined (config.py refuses it)."""
+    def update(updates, state, params=None, *, attn_logit_max_per_head, step, **extra):
+        updates, state = inner.update(updates, state, params, step=step, **extra)
+        found = _metrics_by_type(state)
+        applied = ~found[NonfiniteMetrics].refused
+        if OutlierMetrics in found:
+            applied = applied & ~found[OutlierMetrics].skipped
+        S_LN = attn_logit_max_per_head.astype(jnp.float32)
+        L, N = S_LN.shape
+        K = params["layers"]["wk"].shape[2]
+        on = applied & (step >= start)
+        gamma_LKG = jnp.where(on & (S_LN > tau), tau / S_LN, 1.0).reshape(L, K, N // K)
+        k_scale_LK = jnp.sqrt(jnp.min(gamma_LKG, axis=-1))
+        q_scale_LN = (gamma_LKG / k_scale_LK[..., None]).reshape(L, N)
+
+        def rescaled(w, u, scale):  # [L, D, heads, H] * [L, heads] -> the update to (w+u)*s
+            return ((w + u) * scale[:, None, :, None].astype(w.dtype) - w).astype(u.dtype)
+        layers = dict(updates["layers"])
+        p = params["layers"]
+        layers["wq"] = rescaled(p["wq"], layers["wq"], q_scale_LN)
+        layers["wk"] = rescaled(p["wk"], layers["wk"], k_scale_LK)
+        return {**updates, "layers": layers}, state
+
+    return optax.GradientTransformationExtraArgs(inner.init, update)
 
 
 def scale_by_schedule_at_step(schedule) -> optax.GradientTransformationExtraArgs:
@@ -477,13 +529,17 @@ def on_whole_arrays(inner: optax.GradientTransformation) -> optax.GradientTransf
     return optax.GradientTransformation(inner.init, update)
 
 
+def _metrics_by_type(opt_state) -> dict:
+    return {type(m): m for m in jax.tree.leaves(
+        opt_state, is_leaf=lambda x: isinstance(x, METRICS)) if isinstance(m, METRICS)}
+
+
 def opt_metrics(opt_state, max_grad_norm: float = 0.0) -> dict:
     """What the optimizer saw on its last step, for the metrics: each transformation's metrics
     NamedTuple, found by type wherever the chain keeps it; nothing recomputed. A step that
     applied nothing (refused or skipped) left the inner states, their metrics included, as they
     were: its update norms are reported as 0. `max_grad_norm`: the clip (0 = none)."""
-    found = {type(m): m for m in jax.tree.leaves(
-        opt_state, is_leaf=lambda x: isinstance(x, METRICS)) if isinstance(m, METRICS)}
+    found = _metrics_by_type(opt_state)
     guard = found[NonfiniteMetrics]
     skipped = guard.refused
     out = {"grad_norm": guard.grad_norm,

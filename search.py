@@ -98,6 +98,8 @@ GROUPS = [
     # a low LR, then meet the LR that collapses a fresh model (3e-2) or more: a long warmup.
     Group("d64-b2.95-warmup1000", warmup_steps=1000, lrs=(3e-2, 5e-2)),
 ]
+# QK-Norm twins: the comparison that decides S1 (queued before the warmup group).
+GROUPS.insert(2, twin(GROUPS[1], lrs=(1e-2, 2e-2)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -452,6 +452,80 @@ def test_zclip_clips_as_the_published_rule_does():
     assert float(state.var) == pytest.approx(ref.var, rel=1e-4)
 
 
+def guarded(update_scale: float):
+    """refuse_nonfinite around a plain scale: the smallest inner optimizer QK-Clip can wrap."""
+    return optax.chain(O.refuse_nonfinite(optax.scale(update_scale)),
+                       optax.GradientTransformationExtraArgs(
+                           lambda _: optax.EmptyState(), lambda u, s, p=None, **kw: (u, s)))
+
+
+def test_qk_clip_rescales_each_head_as_the_numpy_rule_does():
+    rng = np.random.default_rng(5)
+    L, D, N, K, H = 2, 8, 4, 2, 4
+    params = {"layers": {"wq": rng.standard_normal((L, D, N, H)).astype(np.float32),
+                         "wk": rng.standard_normal((L, D, K, H)).astype(np.float32)}}
+    grads = jax.tree.map(lambda w: rng.standard_normal(w.shape).astype(np.float32), params)
+    S = np.array([[50.0, 150.0, 80.0, 400.0], [90.0, 99.0, 100.0, 101.0]], np.float32)
+    tx = O.qk_clip(guarded(-0.1), tau=100.0)
+    updates, _ = tx.update(grads, tx.init(params), params, loss=1.0, step=3,
+                           attn_logit_max_per_head=jnp.asarray(S))
+    gamma = np.minimum(1.0, 100.0 / S).reshape(L, K, N // K)
+    k_scale = np.sqrt(gamma.min(axis=-1))  # the key head takes its group's largest need
+    q_scale = (gamma / k_scale[..., None]).reshape(L, N)
+    for w, scale in (("wq", q_scale), ("wk", k_scale)):
+        before = params["layers"][w] - 0.1 * grads["layers"][w]
+        expected = before * scale[:, None, :, None]
+        got = params["layers"][w] + np.asarray(updates["layers"][w])
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    # every head's logit scales by its own gamma: q scale x its key head's scale
+    np.testing.assert_allclose(q_scale * np.repeat(k_scale, N // K, axis=1),
+                               np.minimum(1.0, 100.0 / S), rtol=1e-6)
+    skipped, _ = tx.update(jax.tree.map(lambda g: g * np.nan, grads), tx.init(params), params,
+                           loss=1.0, step=3, attn_logit_max_per_head=jnp.asarray(S))
+    assert float(optax.tree.norm(skipped)) == 0.0  # a refused step applies, and clips, nothing
+
+
+def test_qk_clip_brings_the_clipped_heads_max_logit_to_tau_on_the_same_batch(tiny_tokens):
+    """A step whose update is zero: QK-Clip alone moves the weights. On that batch each head
+    above tau ends at tau, the others where they were; per head, the maxima are the form's.
+    One layer: a second layer's inputs would move with the first layer's clip."""
+    cfg = tiny(model__n_heads=4, model__n_kv_heads=2, model__n_layers=1)
+    params = M.init_params(cfg.model, jax.random.key(0))
+    params["layers"]["wq"] = params["layers"]["wq"] * 40.0  # logits of a few units
+    tokens = jnp.asarray(np.tile(tiny_tokens, (2, 1)))
+    with jax.set_mesh(mesh_of(1, 1)):
+        def heads(p):
+            _, aux = M.loss_fn(p, tokens, cfg.model, head_stats=True)
+            return np.asarray(aux["attn_logit_max_per_head"]), np.asarray(aux["attn_logit_max"])
+        S, per_layer = heads(params)
+        np.testing.assert_allclose(S.max(axis=1), per_layer, rtol=1e-6)
+        tau = float(np.median(S))
+        tx = O.qk_clip(guarded(0.0), tau)
+        updates, _ = tx.update(params, tx.init(params), params, loss=1.0, step=0,
+                               attn_logit_max_per_head=jnp.asarray(S))
+        after, _ = heads(optax.apply_updates(params, updates))
+    clipped = S > tau
+    assert clipped.any() and (~clipped).any()
+    np.testing.assert_allclose(after[clipped], tau, rtol=1e-4)
+    np.testing.assert_allclose(after[~clipped], S[~clipped], rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_qk_clip_switched_on_by_a_resume_acts_from_that_step_and_is_recorded(tmp_path):
+    cfg = tiny(tmp_path, steps=4, checkpoint_every=4, optim__min_lr_ratio=1.0)
+    T.train(cfg, devices=jax.devices()[:1])
+    on = dataclasses.replace(cfg, steps=8, optim=dataclasses.replace(cfg.optim, qk_clip=0.3))
+    T.train(on, devices=jax.devices()[:1])  # the checkpoint's optimizer state is unchanged
+    stored = CF.load_config(tmp_path / "run")
+    assert stored.optim.qk_clip == 0.3 and stored.optim.qk_clip_start == 4
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [m["step"] for m in lines] == list(range(8))
+    assert "qk_clip_heads" not in lines[3] and lines[-1]["qk_clip_heads"] > 0
+    after = restore_final(stored, 8)["params"]["layers"]
+    S = np.asarray(lines[-1]["attn_logit_max"])  # the last step's batch: clipped (per layer)
+    assert np.all(S > 0.3) and np.all(np.isfinite(np.asarray(after["wq"])))
+
+
 def test_the_update_norm_clip_scales_to_its_rolling_threshold():
     tx = O.clip_update_norm(window=4, sigma=2.0)
     state = tx.init(None)
@@ -1227,6 +1301,8 @@ BAD_INPUTS = [
     ("train", ["--optim.zclip-alpha", "1"], "optim.zclip_alpha must be in [0, 1)"),
     ("train", ["--optim.zclip-warmup", "1"], "optim.zclip_warmup must be >= 2"),
     ("train", ["--optim.grad-clip", "zlip"], "--optim.grad-clip"),
+    ("train", ["--optim.qk-clip", "-1"], "optim.qk_clip must be >= 0 and finite"),
+    ("train", ["--optim.qk-clip", "100", "--model.qk-norm"], "use one or the other"),
     ("train", ["--seed", "-1"], "--seed must be >= 0, got -1"),
     ("export", ["{trained}", "--to", "{short}/hf"], "short.txt is a file, not a folder"),
     ("export", ["{trained}", "--to", "{trained}/checkpoints/99"],

@@ -131,12 +131,17 @@ def per_layer_metrics(params, grads, updates, opt_state) -> dict:
 def make_train_step(cfg: TrainConfig, tx):
     schedule = lr_schedule(cfg.optim, cfg.steps)
 
+    clip = cfg.optim.qk_clip > 0  # QK-Clip reads each head's max logit on the batch
+
     def train_step(state, tokens_BT1):
         params = state["params"]
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens_BT1,
-                                                                        cfg.model)
+                                                                        cfg.model, clip)
+        heads = {"attn_logit_max_per_head": aux.pop("attn_logit_max_per_head")} if clip else {}
         updates, opt_state = tx.update(grads, state["opt_state"], params, loss=loss,
-                                       step=state["step"])
+                                       step=state["step"], **heads)
+        if clip:  # heads over the threshold on this batch (clipped, unless nothing applied)
+            aux["qk_clip_heads"] = jnp.sum(heads["attn_logit_max_per_head"] > cfg.optim.qk_clip)
         metrics = {"loss": loss, "lr": schedule(state["step"]), **aux,
                    **opt_metrics(opt_state, cfg.optim.max_grad_norm)}
         if cfg.per_layer_metrics:
@@ -312,6 +317,11 @@ def train(cfg: TrainConfig, devices=None) -> dict:
     if stored is not None:
         taken = cfg.resume_step if cfg.resume_step is not None else (steps or [0])[-1]
         check_same_run(stored, cfg, taken)
+        if cfg.optim.qk_clip != stored.optim.qk_clip:  # switched on (or off) from here on
+            cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim,
+                                                                     qk_clip_start=taken))
+            say(f"QK-Clip threshold {stored.optim.qk_clip:g} -> {cfg.optim.qk_clip:g} from "
+                f"step {taken} on (a switch the run's config records)")
     hf_params = load_hf(pathlib.Path(cfg.init_from_hf), cfg.model) if cfg.init_from_hf and \
         not steps else None
     data = load_data(cfg)
