@@ -5,6 +5,7 @@ with its outcome, goes to results/search.json.
     python search.py --list              # the groups and whether each is done
     python search.py --summary           # the table of outcomes (no training)
     python search.py --markdown          # the README's table of the search
+    python search.py --plot              # results/search.png
 
 A *group* is one compiled train step over several *members* (learning rates x seeds) stacked
 with `jax.vmap`, stepped `chunk` steps at a time inside one `lax.scan`: one dispatch and one
@@ -33,6 +34,7 @@ import optax
 from cli import UserError, command
 from config import PRESETS
 from data import TokenData
+from experiments import ema
 from model import decay_mask, init_params, loss_fn
 from optim import make_optimizer, opt_metrics
 from report import find_shifts, find_spikes
@@ -284,6 +286,44 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(record: dict, out: pathlib.Path) -> pathlib.Path:
+    """results/search.png: for each group with a QK-Norm twin, one panel per LR the two share:
+    each seed's train loss (EMA, span 20) without QK-Norm (solid) and with it (dashed), the
+    one-step spikes as dots and the level shifts as crosses on the run without."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    pairs = [(g, lr) for g, v in record["groups"].items() if g + "-qk" in record["groups"]
+             for lr in v["lrs"] if lr in record["groups"][g + "-qk"]["lrs"]]
+    fig, axes = plt.subplots(len(pairs), 1, figsize=(9, 3.2 * len(pairs)), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (group, lr) in zip(axes[:, 0], pairs):
+        for name, style in ((group, "-"), (group + "-qk", "--")):
+            curves = np.load(CURVES / f"{name}.npz")["loss"]
+            for i, m in enumerate(record["groups"][name]["members"]):
+                if m["lr"] != lr:
+                    continue
+                y = ema(curves[i].astype(np.float64))
+                c = colors[m["seed"] % len(colors)]
+                ax.plot(y, style, color=c, lw=1.0, label=f"seed {m['seed']}"
+                        + (" QK-Norm" if name.endswith("-qk") else ""))
+                if style == "-":
+                    ax.plot(m["spike_steps"], y[m["spike_steps"]], "o", color=c, ms=4)
+                    ax.plot(m["shift_steps"], y[m["shift_steps"]], "x", color=c, ms=7)
+        ax.set_title(f"{group}, LR {lr:g}: train loss (EMA 20) without QK-Norm (solid) and with "
+                     "it (dashed); dots: spikes, crosses: level shifts", fontsize=9)
+        ax.set_ylabel("nats/byte")
+        ax.set_ylim(1.2, 2.8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    path = out / "search.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def load() -> dict:
     return json.loads(OUT.read_text()) if OUT.exists() else {"machine": {}, "groups": {}}
 
@@ -330,6 +370,9 @@ def main(argv: list[str]) -> int:
         return 0
     if "--markdown" in argv:
         print(markdown(rows))
+        return 0
+    if "--plot" in argv:
+        print(f"wrote {plot(record, OUT.parent)}")
         return 0
     run(groups)
     return 0
