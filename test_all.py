@@ -202,8 +202,9 @@ def loss_logit_max_grads(model_cfg, mesh_shape, seq=40):
 
 @pytest.mark.parametrize("form,mesh_shape,qk_norm,block,seq", [
     ("grouped", (1, 1), True, 16, 40), ("blockwise", (1, 1), True, 16, 40),
-    ("grouped", (2, 2), False, 16, 40), ("blockwise", (2, 2), False, 16, 40),
-    ("blockwise", (2, 2), True, 64, 40), ("blockwise", (1, 1), False, 128, 100)])
+    *[pytest.param(*case, marks=pytest.mark.slow) for case in [  # on a mesh, or longer
+        ("grouped", (2, 2), False, 16, 40), ("blockwise", (2, 2), False, 16, 40),
+        ("blockwise", (2, 2), True, 64, 40), ("blockwise", (1, 1), False, 128, 100)]]])
 def test_every_attention_form_equals_dense_in_loss_logit_max_and_gradients(form, mesh_shape,
                                                                            qk_norm, block, seq):
     """Grouped-query attention (4 query heads on 2 KV heads), T = 40 in blocks of 16 (the last
@@ -627,6 +628,7 @@ def test_the_per_layer_adam_moment_norms_are_those_of_the_state_after_the_step(t
         assert expected.shape == (cfg.model.n_layers,) and np.all(expected > 0)
 
 
+@pytest.mark.slow
 def test_muon_trains(tiny_tokens):
     cfg = tiny(optim__optimizer="muon")
     state, tx, _ = init_sharded(cfg, mesh_of(1, 1))
@@ -714,6 +716,7 @@ def test_a_folder_or_glob_of_shards_is_one_stream_and_its_val_shards_are_never_t
     np.testing.assert_array_equal(glob.held_out_batches(), folder.held_out_batches())
 
 
+@pytest.mark.slow
 def test_prepare_trains_a_bpe_and_writes_shards_that_train_with_a_validation_split(tmp_path,
                                                                                     capsys):
     import tokenizers
@@ -779,6 +782,7 @@ def sharded_runs():
     return cfg, run_steps(cfg, mesh_of(1, 1), 3, tokens), run_steps(cfg, mesh_of(4, 2), 3, tokens)
 
 
+@pytest.mark.slow
 def test_a_4x2_mesh_gives_the_losses_and_parameters_of_1x1(sharded_runs):
     _, (s1, l1), (s8, l8) = sharded_runs
     np.testing.assert_allclose(l1, l8, rtol=1e-5)
@@ -788,6 +792,7 @@ def test_a_4x2_mesh_gives_the_losses_and_parameters_of_1x1(sharded_runs):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-3)
 
 
+@pytest.mark.slow
 def test_every_leaf_has_its_declared_sharding(sharded_runs):
     cfg, _, (state, _) = sharded_runs
     table = M.param_table(cfg.model)
@@ -1445,6 +1450,7 @@ def test_a_short_run_learns(straight_run):
     assert len(last["attn_logit_max"]) == cfg.model.n_layers
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_trains_finitely(tmp_path):
     cfg = tiny(tmp_path, model__dtype="bfloat16", steps=8, eval_every=8, checkpoint_every=8)
     last = T.train(cfg, devices=jax.devices()[:1])
@@ -1880,12 +1886,14 @@ def high_lr_runs(tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow
 def test_qk_norm_keeps_attention_logits_10x_smaller_at_high_lr(high_lr_runs):
     without = high_lr_runs[False][1]["attn_logit_max"][-10:].max()
     with_qk = high_lr_runs[True][1]["attn_logit_max"][-10:].max()
     assert without >= 10 * with_qk, (without, with_qk)
 
 
+@pytest.mark.slow
 def test_inserting_qk_norm_drops_the_logits_10x_at_once(high_lr_runs, tmp_path):
     src, m = high_lr_runs[False]
     args = W.WarmStartArgs(source=src.run_dir, to=str(tmp_path / "rescued"), step=100,
@@ -2016,6 +2024,7 @@ def test_an_exported_folder_computes_the_logits_of_model_forward(arch, straight_
     np.testing.assert_allclose(theirs, ours, atol=1e-4 * np.abs(ours).max())
 
 
+@pytest.mark.slow
 def test_a_run_initialised_from_a_hf_folder_starts_from_its_weights(straight_run, tmp_path):
     src, hf = straight_run[0], tmp_path / "hf"
     E.export(E.ExportArgs(run=src.run_dir, to=str(hf)))  # step 6
@@ -2195,6 +2204,26 @@ def test_lr_sensitivity_recovery_and_the_spread_rule():
         "no measurable difference"  # 0.1 apart, stds 0.1 + 0.05
     assert E.compare({"eval_loss": E.spread([1.7, 1.75, 1.8])}, base) == "better (-0.350)"
     assert E.compare({"eval_loss": E.spread([2.5, 2.6, 2.7])}, base) == "worse (+0.500)"
+
+def test_the_search_judges_s1_and_the_spikes_after_it_by_the_fixed_rules():
+    import search as SE
+
+    def row(group, seed, evals, spikes):
+        return {"group": group, "lr": 0.01, "seed": seed, "eval_step": [250, 500, 750, 1000],
+                "eval_loss": evals, "spike_steps": spikes, "shift_steps": [],
+                "max_attn_logit": 10.0}
+    rows = []
+    for seed in (0, 1, 2):
+        rows.append(row("g", seed, [2.0, 1.80, 1.75, 1.9], [100, 800, 900, 950]))
+        rows.append(row("g-qk", seed, [2.0, 1.78, 1.60, 1.5], [100]))
+    verdicts = SE.judge(rows)
+    # the last eval within 0.05 nats of the QK-Norm run: step 500; the spike at 100 is before
+    assert [(v["s1"], v["spikes_after_s1"], v["qk_spikes"]) for v in verdicts] == \
+        [(500, 3, 1)] * 3
+    assert SE.story_found(verdicts) == [("g", 0.01)]
+    rows[0]["spike_steps"] = [800, 900]  # seed 0: 2 spikes after S1, short of 3
+    assert SE.story_found(SE.judge(rows)) == []
+
 
 @pytest.mark.slow
 def test_a_search_member_is_the_train_py_run_of_its_lr_and_seed(tmp_path):
