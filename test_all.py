@@ -527,6 +527,19 @@ def test_qk_clip_switched_on_by_a_resume_acts_from_that_step_and_is_recorded(tmp
     assert np.all(S > 0.3) and np.all(np.isfinite(np.asarray(after["wq"])))
 
 
+def test_opt_metrics_reads_each_piece_by_type_and_nothing_from_a_foreign_optimizer():
+    params = {"w": jnp.ones(3)}
+    assert O.opt_metrics(optax.adam(1e-3).init(params)) == {}  # bench.py's plain AdamW
+    cfg = O.OptimConfig(skip_step=True, update_clip="norm")
+    tx = O.make_optimizer(cfg, 10, {"w": True})
+    _, state = tx.update({"w": jnp.full(3, 2.0)}, tx.init(params), params, loss=3.0, step=0)
+    m = O.opt_metrics(state, cfg.max_grad_norm)
+    assert float(m["grad_norm"]) == pytest.approx(np.sqrt(12.0))
+    assert float(m["grad_norm_clipped"]) == pytest.approx(1.0)  # at max_grad_norm
+    assert int(m["skipped"]) == 0 and np.isinf(float(m["skip_loss_threshold"]))  # not armed
+    assert float(m["update_norm"]) > 0 and "update_clip_threshold" in m
+
+
 def test_the_update_norm_clip_scales_to_its_rolling_threshold():
     tx = O.clip_update_norm(window=4, sigma=2.0)
     state = tx.init(None)
