@@ -135,8 +135,9 @@ def make_train_step(cfg: TrainConfig, tx):
 
     def train_step(state, tokens_BT1):
         params = state["params"]
+        stats = {"head_stats": True} if clip else {}
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens_BT1,
-                                                                        cfg.model, clip)
+                                                                        cfg.model, **stats)
         heads = {"attn_logit_max_per_head": aux.pop("attn_logit_max_per_head")} if clip else {}
         updates, opt_state = tx.update(grads, state["opt_state"], params, loss=loss,
                                        step=state["step"], **heads)
