@@ -201,10 +201,11 @@ def loss_logit_max_grads(model_cfg, mesh_shape, seq=40):
 
 
 @pytest.mark.parametrize("form,mesh_shape,qk_norm,block,seq", [
-    ("grouped", (1, 1), True, 16, 40), ("blockwise", (1, 1), True, 16, 40),
-    *[pytest.param(*case, marks=pytest.mark.slow) for case in [  # on a mesh, or longer
-        ("grouped", (2, 2), False, 16, 40), ("blockwise", (2, 2), False, 16, 40),
-        ("blockwise", (2, 2), True, 64, 40), ("blockwise", (1, 1), False, 128, 100)]]])
+    ("blockwise", (1, 1), True, 16, 40),
+    *[pytest.param(*case, marks=pytest.mark.slow) for case in [  # more forms, meshes, lengths
+        ("grouped", (1, 1), True, 16, 40), ("grouped", (2, 2), False, 16, 40),
+        ("blockwise", (2, 2), False, 16, 40), ("blockwise", (2, 2), True, 64, 40),
+        ("blockwise", (1, 1), False, 128, 100)]]])
 def test_every_attention_form_equals_dense_in_loss_logit_max_and_gradients(form, mesh_shape,
                                                                            qk_norm, block, seq):
     """Grouped-query attention (4 query heads on 2 KV heads), T = 40 in blocks of 16 (the last
@@ -486,6 +487,7 @@ def test_qk_clip_rescales_each_head_as_the_numpy_rule_does():
     assert float(optax.tree.norm(skipped)) == 0.0  # a refused step applies, and clips, nothing
 
 
+@pytest.mark.slow
 def test_qk_clip_brings_the_clipped_heads_max_logit_to_tau_on_the_same_batch(tiny_tokens):
     """A step whose update is zero: QK-Clip alone moves the weights. On that batch each head
     above tau ends at tau, the others where they were; per head, the maxima are the form's.
@@ -1618,6 +1620,7 @@ def test_resume_by_run_directory_and_raise_the_steps_of_a_constant_schedule(tmp_
     assert_trees_equal(restore_final(longer, 9), restore_final(straight, 9))
 
 
+@pytest.mark.slow
 def test_a_run_stops_after_too_many_nonfinite_steps_in_a_row(tmp_path, capsys):
     # An absurd LR: the first step is applied, its parameters overflow the next forward pass,
     # and every step after that is non-finite (and skipped).
@@ -1659,6 +1662,7 @@ def test_poisoned_batch_is_skipped_and_training_continues(tmp_path, monkeypatch)
     assert lines[5]["loss"] < lines[2]["loss"] + 0.5  # and it trains on
 
 
+@pytest.mark.slow
 def test_poisoned_stretch_stops_with_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     poison_batches(monkeypatch, set(range(2, 100)))
     cfg = tiny(tmp_path, steps=20, checkpoint_every=2, max_consecutive_nonfinite=3)
@@ -1672,6 +1676,7 @@ def test_poisoned_stretch_stops_with_the_last_good_checkpoint(tmp_path, monkeypa
                                          for x in jax.tree.leaves(good["params"]))
 
 
+@pytest.mark.slow
 def test_the_held_out_loss_is_the_mean_over_the_whole_fixed_set_in_one_pass():
     cfg = dataclasses.replace(TINY, data=dataclasses.replace(TINY.data, eval_sequences=20))
     data = D.TokenData(cfg.data)
