@@ -244,9 +244,9 @@ def skip_step(inner: optax.GradientTransformation, window: int = 128, sigma: flo
     Where this differs from the anchors, and why:
     - A skipped outlier never enters the history. OLMo-core and Levanter record the raw value,
       so one +8-nat batch inflates the std for a whole window and blinds the rule: a later
-      +2-nat poisoned batch slips under the raised threshold and is applied. (Recording it
-      clipped to the threshold, as this rule once did, still let the threshold climb with
-      each skip under a short window: 4.2 -> 9.5 nats after three skips at window 16.)
+      +2-nat poisoned batch slips under the raised threshold and is applied. (Recorded clipped
+      to the threshold instead, each skip still raises it under a short window: 4.2 -> 9.5
+      nats after three junk batches at window 16.)
     - A non-finite value is not recorded at all (the anchors record it; one NaN then makes the
       threshold NaN and disables the rule for a whole window).
     - After `patience` outlier skips in a row the rule concludes that the loss has settled at
