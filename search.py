@@ -102,6 +102,14 @@ GROUPS = [
 ]
 # QK-Norm twins: the comparison that decides S1 (queued before the warmup group).
 GROUPS.insert(2, twin(GROUPS[1], lrs=(1e-2, 2e-2)))
+# The two single-seed events came late (steps 646 and 1,882): longer runs, other seeds.
+GROUPS += [
+    Group("d64-b2.999-eps1e-15-4k", b2=0.999, eps=1e-15, lrs=(2e-2,), seeds=(3, 4, 5),
+          steps=4000),
+    Group("d64-b2.95-warmup1000-4k", warmup_steps=1000, lrs=(5e-2,), steps=4000),
+]
+# That group breaks late in every seed (level shifts that never come back): its QK-Norm twin.
+GROUPS.append(twin(GROUPS[-1]))
 
 
 # ---------------------------------------------------------------------------------------------
