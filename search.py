@@ -318,8 +318,8 @@ def plot(record: dict, out: pathlib.Path) -> pathlib.Path:
                 if style == "-":
                     ax.plot(m["spike_steps"], y[m["spike_steps"]], "o", color=c, ms=4)
                     ax.plot(m["shift_steps"], y[m["shift_steps"]], "x", color=c, ms=7)
-        ax.set_title(f"{group}, LR {lr:g}: train loss (EMA 20) without QK-Norm (solid) and with "
-                     "it (dashed); dots: spikes, crosses: level shifts", fontsize=9)
+        ax.set_title(f"{group}, LR {lr:g}: train loss (EMA 20) without QK-Norm (solid), with "
+                     "it (dashed);\ndots: one-step spikes, crosses: level shifts", fontsize=9)
         ax.set_ylabel("nats/byte")
         ax.set_ylim(1.2, 2.8)
         ax.grid(alpha=0.3)
