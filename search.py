@@ -63,24 +63,36 @@ class Group:
     steps: int = 2000
     lrs: tuple[float, ...] = (1e-2,)
     seeds: tuple[int, ...] = (0, 1, 2)
+    optim: tuple[tuple[str, object], ...] = ()  # a lever: OptimConfig fields, (name, value)
+    compare_with: str = ""  # the QK-Norm group S1 is taken against (default: NAME-qk)
+
+    def __post_init__(self):
+        if self.qk_clip and len(self.lrs) != 1:  # QK-Clip rescales weights after the LR
+            raise ValueError(f"{self.name}: a QK-Clip group runs one LR")
+
+    @property
+    def qk_clip(self) -> bool:
+        return dict(self.optim).get("qk_clip", 0) > 0
 
     def config(self):
-        base = PRESETS["spiky-long"]
+        base = PRESETS["story"]
         model = dataclasses.replace(
             base.model, d_model=self.d_model, d_ff=round(8 / 3 * self.d_model / 4) * 4,
             n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
             qk_norm=self.qk_norm, z_loss_weight=self.z_loss_weight, attention="auto")
-        optim = dataclasses.replace(base.optim, lr=1.0, b2=self.b2, eps=self.eps,
-                                    weight_decay=self.weight_decay,
+        optim = dataclasses.replace(base.optim, lr=self.lrs[0] if self.qk_clip else 1.0,
+                                    b2=self.b2, eps=self.eps, weight_decay=self.weight_decay,
                                     warmup_steps=self.warmup_steps, max_grad_norm=0.0,
                                     min_lr_ratio=1.0)
+        optim = dataclasses.replace(optim, **dict(self.optim))
         data = dataclasses.replace(base.data, batch_size=self.batch_size, seq_len=self.seq_len,
                                    eval_sequences=64)
         return dataclasses.replace(base, model=model, optim=optim, data=data, steps=self.steps)
 
     def settings(self) -> dict:
-        d = dataclasses.asdict(self)
-        return {k: v for k, v in d.items() if k not in ("name", "lrs", "seeds")}
+        d = dataclasses.asdict(self) | {"optim": dict(self.optim)}
+        return {k: v for k, v in d.items() if k not in ("name", "lrs", "seeds", "compare_with")
+                and (k != "optim" or v)}
 
 
 def twin(g: Group, **kw) -> Group:
@@ -110,6 +122,28 @@ GROUPS += [
 ]
 # That group breaks late in every seed (level shifts that never come back): its QK-Norm twin.
 GROUPS.append(twin(GROUPS[-1]))
+# The story regime (train.py's `story` preset) is that group. The levers, from scratch on it,
+# each compared with its QK-Norm twin (S1) and with it (the spikes and shifts after S1).
+STORY = GROUPS[-2]
+
+
+def lever(name: str, **optim) -> Group:
+    return dataclasses.replace(STORY, name=f"story-{name}", optim=tuple(optim.items()),
+                               compare_with=STORY.name + "-qk")
+
+
+LEVERS = [
+    lever("marin-32b", max_grad_norm=0.2, skip_step=True, update_clip="norm"),  # the three
+    lever("clip-0.2", max_grad_norm=0.2),
+    lever("skip-step", skip_step=True),
+    lever("update-clip-norm", update_clip="norm"),
+    lever("qk-clip-100", qk_clip=100.0),
+    lever("zclip", grad_clip="zclip"),
+    lever("update-clip-rms", update_clip="rms"),
+    lever("muon", optimizer="muon"),
+]
+GROUPS += LEVERS
+COMPARE = {g.name: g.compare_with for g in GROUPS if g.compare_with}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,7 +158,7 @@ def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print) -> 
     logit per layer, held-out loss every `eval_every` steps)."""
     cfg = g.config()
     members = member_grid(g)
-    lr_M = jnp.array([lr for lr, _ in members], jnp.float32)
+    lr_M = jnp.array([1.0 if g.qk_clip else lr for lr, _ in members], jnp.float32)
     tx = make_optimizer(cfg.optim, cfg.steps, decay_mask(cfg.model))
 
     def init(seed):
@@ -132,17 +166,23 @@ def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print) -> 
         return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
     def one_step(state, tokens_BT1, lr):
+        stats = {"head_stats": True} if g.qk_clip else {}  # as train.py's step
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state["params"], tokens_BT1, cfg.model)
+            state["params"], tokens_BT1, cfg.model, **stats)
+        heads = {"attn_logit_max_per_head": aux.pop("attn_logit_max_per_head")} if stats else {}
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"], loss=loss,
-                                       step=state["step"])
+                                       step=state["step"], **heads)
         updates = jax.tree.map(lambda u: lr * u, updates)
         om = opt_metrics(opt_state)
         metrics = {"loss": loss, "grad_norm": om["grad_norm"], "update_norm": om["update_norm"],
+                   "skipped": om["skipped"],
                    "attn_logit_max": aux["attn_logit_max"],
                    **per_layer_metrics(state["params"], grads, updates, opt_state)}
-        return {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
-                "opt_state": opt_state}, metrics
+        params = optax.apply_updates(state["params"], updates)
+        if g.qk_clip:  # its rescale comes back sharded by head; the carry keeps its own type
+            params = jax.tree.map(lambda p, p0: jax.reshard(p, jax.typeof(p0).sharding.spec),
+                                  params, state["params"])
+        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
     def run_chunk(state, tokens_CMBT1):
         return jax.lax.scan(lambda s, t: jax.vmap(one_step)(s, t, lr_M), state, tokens_CMBT1)
@@ -208,6 +248,7 @@ def outcomes(g: Group, a: dict) -> list[dict]:
             "spike_steps": [s.step for s in spikes],
             "shift_steps": [s.step for s in shifts],
             "max_attn_logit": float(np.nanmax(a["attn_logit_max"][i])),
+            "skipped_steps": int(np.sum(a["skipped"][i])) if "skipped" in a else 0,
             "final_loss_100": float(np.nanmean(loss[-100:])),
             "finite": bool(np.all(np.isfinite(loss))),
         })
@@ -228,7 +269,7 @@ def judge(rows: list[dict]) -> list[dict]:
     for (group, lr, seed), r in sorted(by.items()):
         if group.endswith("-qk"):
             continue
-        twin = by.get((group + "-qk", lr, seed))
+        twin = by.get((COMPARE.get(group, group + "-qk"), lr, seed))
         s1 = twin and first_match(r["eval_loss"], twin["eval_loss"], r["eval_step"])
         after = s1 if s1 is not None else 0
         verdicts.append({
