@@ -41,9 +41,9 @@ from config import PRESETS
 from report import find_shifts, find_spikes, read_metrics, summary
 
 RUNS, RESULTS = pathlib.Path("runs/exp"), pathlib.Path("results")
-STORY, SWEEP, BAD = "spiky-long", "spiky", "bad-spike"  # presets (train.py)
-RESCUE_STEP = 300  # warm-start the story's baselines here, halfway
-REWARMUP = 60
+STORY, SWEEP, BAD = "story", "spiky", "bad-spike"  # presets (train.py)
+RESCUE_STEP = 300  # warm-start the sweep's runs here
+REWARMUP = 100
 LR_GRID = ["1e-3", "1e-2", "1e-1"]  # a subset of Wortsman et al.'s grid, to fit the time
 REPLACED = 20  # replace-batches: the batches of this many steps before the event
 
@@ -82,7 +82,11 @@ EXPERIMENTS = [
     Experiment("replace-batches", start="replace", source="baseline"),
     Experiment("bad-spike-replace-batches", preset=BAD, baseline="bad-spike",
                panels=("bad-spike",), start="replace", source="bad-spike"),
-    Experiment("rescue", panels=("rescue",), start="rescue", source="baseline"),
+    Experiment("rescue", panels=("rescue",), start="rescue", source="baseline",
+               step="after-event"),
+    # The guard (guard.py): rollback and data replacement only, then with escalation to QK-Norm
+    Experiment("guard", ("--guard",), panels=("rescue",)),
+    Experiment("guard-escalate", ("--guard", "--guard.escalate", "qk-norm"), panels=("rescue",)),
     Experiment("rescue-skip-step", panels=("rescue",), start="rescue", source="skip-step"),
     Experiment("bad-spike-rescue", preset=BAD, baseline="bad-spike", panels=("bad-spike",),
                start="rescue", source="bad-spike", step="after-event"),
@@ -272,6 +276,12 @@ def collect(seeds: list[int]) -> tuple[dict, dict]:
             row = summary(m)
             done = pathlib.Path(f"{runs[s]}.done")
             row["wall_s"] = json.loads(done.read_text())["seconds"] if done.is_file() else None
+            if "guard_events" in m:  # what the guard did, and what it cost
+                acted = [e for e in m["guard_events"] if "rollback_to" in e]
+                row["guard_actions"] = len(acted)
+                row["extra_steps"] = sum(e["extra_steps"] for e in acted)
+                row["escalated_at"] = next((e["rollback_to"] for e in acted
+                                            if e.get("escalation")), None)
             if BY_NAME[name].start == "rescue":
                 source = metrics[BY_NAME[name].source][s]
                 row["warm_start_step"] = int(m["step"][0])
@@ -327,6 +337,9 @@ def table(rows: dict, seeds: list[int]) -> str:
         if BY_NAME[name].start == "rescue":
             extra = (f"; warm start at step {per_seed(r, 'warm_start_step')}, train loss back at "
                      f"its pre-insertion level after {per_seed(r, 'recovered_after')} steps")
+        if all("guard_actions" in x for x in r["seeds"].values()):
+            extra = (f"; guard rollbacks {per_seed(r, 'guard_actions')}, steps computed again "
+                     f"{per_seed(r, 'extra_steps')}, escalated at {per_seed(r, 'escalated_at')}")
         cmd = command_for(name, min(r["seeds"]))
         if len(r["seeds"]) < len(seeds):  # the others had no event to act on
             extra += f" ({len(r['seeds'])} of {len(seeds)} seeds)"
