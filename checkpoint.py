@@ -76,6 +76,52 @@ def fresh_state(cfg: ModelConfig, seed: int, tx, target) -> dict:
     return jax.jit(lambda: init_state(cfg, seed, tx), out_shardings=shardings)()
 
 
+def carry(source_state, target, init_new) -> tuple[dict, list, list, list]:
+    """Fill the target state by key path: every leaf present in both is the source's, leaves
+    only the target has take their fresh values from `init_new(keys)`. `target` is the
+    target's abstract state (shapes, dtypes, shardings). Returns (state, carried, new,
+    dropped), the last three as (path, shape) lists. A carried leaf whose shape or dtype
+    differs is a UserError."""
+    key = jax.tree_util.keystr
+    src = {key(p): x for p, x in jax.tree_util.tree_leaves_with_path(source_state)}
+    want = {key(p): x for p, x in jax.tree_util.tree_leaves_with_path(target)}
+    for k, old in src.items():
+        if k in want and (old.shape != want[k].shape or old.dtype != want[k].dtype):
+            raise UserError(f"leaf {k} is {old.dtype}{list(old.shape)} in the source but "
+                            f"{want[k].dtype}{list(want[k].shape)} in the target: only added "
+                            "leaves can change; keep the shapes of the source config")
+    fresh = init_new([k for k in want if k not in src])
+
+    def fill(path, t):
+        if key(path) in fresh:
+            return fresh[key(path)]
+        old = src[key(path)]
+        return jax.reshard(old, t.sharding) if old.sharding != t.sharding else old
+
+    state = jax.tree_util.tree_map_with_path(fill, target)
+    carried = [(k, x.shape) for k, x in want.items() if k in src]
+    new = [(k, x.shape) for k, x in want.items() if k not in src]
+    dropped = [(k, x.shape) for k, x in src.items() if k not in want]
+    return state, carried, new, dropped
+
+
+def init_new_leaves(cfg, tx, target):
+    """`keys -> {key: fresh value}` for some leaves of a new train state, computed alone (XLA
+    drops the rest of the init) and placed in the shardings `target` carries."""
+    def init_new(keys):
+        if not keys:
+            return {}
+        shardings = {jax.tree_util.keystr(p): x.sharding
+                     for p, x in jax.tree_util.tree_leaves_with_path(target)}
+
+        def init():
+            state = init_state(cfg.model, cfg.seed, tx)
+            leaves = jax.tree_util.tree_leaves_with_path(state)
+            return {k: x for p, x in leaves if (k := jax.tree_util.keystr(p)) in keys}
+        return jax.jit(init, out_shardings={k: shardings[k] for k in keys})()
+    return init_new
+
+
 def per_device_bytes(cfg: ModelConfig, tx, mesh_sizes: dict[str, int]) -> tuple[int, int]:
     """(total, per-device) bytes of params + optimizer state on a mesh of `mesh_sizes`
     ({"data": 256, "model": 4}), by arithmetic on the shapes and specs: needs neither the

@@ -156,6 +156,8 @@ def read_metrics(run: str | pathlib.Path) -> dict[str, np.ndarray]:
         evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
         out["eval_step"], out["eval_loss"] = (np.array(x, dtype=np.float64)
                                               for x in zip(*evals)) if evals else ([], [])
+    if (path.parent / "events.jsonl").is_file():  # the spike guard's actions (guard.py)
+        out["guard_events"] = read_events(path.parent)
     return out
 
 
@@ -274,14 +276,59 @@ def spike_scores(m: dict[str, np.ndarray]) -> dict[str, float]:
             for key in ("loss", "grad_norm") if key in m for window, sigma in SPIKE_SCORES}
 
 
+# ---------------------------------------------------------------------------------------------
+# The spike guard's record (guard.py writes it): events.jsonl, one action per line
+
+def read_events(run_dir: pathlib.Path) -> list[dict]:
+    path = pathlib.Path(run_dir) / "events.jsonl"
+    if not path.is_file():
+        return []
+    lines = path.read_text().splitlines()
+    out = []
+    for n, line in enumerate(lines, 1):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if n < len(lines):  # only a last line may be torn (a kill mid-write): dropped
+                raise UserError(f"{path}:{n} is not JSON; was the file edited?") from None
+    return out
+
+
+def acted(events: list[dict]) -> list[dict]:
+    """The events that rolled the run back (the others only said why they did not)."""
+    return [e for e in events if e["action"] in ("rollback", "escalate")]
+
+
+def describe(e: dict) -> str:
+    head = f"guard: {e['rule']} at step {e['event_step']} (seen at {e['trigger_step']})"
+    if e["action"] in ("stop", "go-on"):
+        return f"{head}: {e['action']} ({e['why']})"
+    text = (f"{head}: rolled back to step {e['rollback_to']}, batches {e['rollback_to']}-"
+            f"{e['replaced_until'] - 1} replaced")
+    if e.get("escalation"):
+        text += f", escalated to {e['escalation']}"
+    if e.get("rewarm_steps"):
+        text += f", LR re-warmed over {e['rewarm_steps']} steps"
+    return text
+
+
+def events_table(events: list[dict]) -> str:
+    extra = sum(e["extra_steps"] for e in acted(events))
+    return "\n".join([f"{len(events)} guard action{'s' * (len(events) != 1)} "
+                      f"({extra} steps computed again)", *map(describe, events)])
+
+
 def event_report(m: dict[str, np.ndarray], name: str = "", rule: SpikeRule = SpikeRule(),
                  shift: ShiftRule = ShiftRule()) -> str:
     """Both tables for one run's metrics, and its OLMo 2 spike scores."""
     scores = ", ".join(f"{k.removeprefix('spike_score_')} {v:.2%}"
                        for k, v in spike_scores(m).items() if math.isfinite(v))
+    guarded = ""
+    if m.get("guard_events"):  # the events of the path the run took (rolled-back steps gone)
+        guarded = "\n" + events_table(m["guard_events"])
     return (spike_table(find_spikes(m, rule), name) + "\n"
             + shift_table(find_shifts(m, shift), name)
-            + (f"\nOLMo 2 spike scores (share of steps): {scores}" if scores else ""))
+            + (f"\nOLMo 2 spike scores (share of steps): {scores}" if scores else "") + guarded)
 
 
 def summary(m: dict[str, np.ndarray], rule: SpikeRule = SpikeRule(),
@@ -331,6 +378,10 @@ def plot(runs: dict[str, dict], out: pathlib.Path, rule: SpikeRule = SpikeRule()
         spikes = find_spikes(m, rule)
         idx = [int(np.searchsorted(x, s.peak_step)) for s in spikes]
         axes[0].plot(x[idx], np.minimum(m["loss"][idx], 1e3), "v", color=color, ms=9, mfc="none")
+        for e in m.get("guard_events", []):  # the guard's rollbacks: where the run went back to
+            if "rollback_to" in e:
+                axes[0].axvline(e["rollback_to"], color=color, lw=0.8,
+                                ls="-." if e.get("escalation") else "--")
         axes[1].semilogy(x, m["grad_norm"], color=color, lw=0.8)
         if "update_norm" in m:
             axes[1].semilogy(x, m["update_norm"] / np.nanmedian(m["update_norm"]),

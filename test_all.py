@@ -38,6 +38,7 @@ import compat
 import config as CF
 import data as D
 import export as E
+import guard as G
 import model as M
 import optim as O
 import report as R
@@ -1323,6 +1324,9 @@ BAD_INPUTS = [
     ("train", ["--optim.grad-clip", "zlip"], "--optim.grad-clip"),
     ("train", ["--optim.qk-clip", "-1"], "optim.qk_clip must be >= 0 and finite"),
     ("train", ["--optim.qk-clip", "100", "--model.qk-norm"], "use one or the other"),
+    ("train", ["--guard", "--guard.escalate", "maybe"], "--guard.escalate must be one of"),
+    ("train", ["--guard", "--guard.relapses", "0"], "--guard.relapses"),
+    ("train", ["--guard.too-far", "later"], "--guard.too-far must be stop or go-on"),
     ("train", ["--seed", "-1"], "--seed must be >= 0, got -1"),
     ("export", ["{trained}", "--to", "{short}/hf"], "short.txt is a file, not a folder"),
     ("export", ["{trained}", "--to", "{trained}/checkpoints/99"],
@@ -1674,6 +1678,136 @@ def test_poisoned_stretch_stops_with_the_last_good_checkpoint(tmp_path, monkeypa
     good = restore_final(cfg, 2)
     assert int(good["step"]) == 2 and all(np.isfinite(np.asarray(x)).all()
                                          for x in jax.tree.leaves(good["params"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# guard.py
+
+def test_the_guard_watch_fires_where_the_report_rules_find_the_first_event():
+    rng = np.random.default_rng(0)
+    loss = 2.0 + 0.02 * rng.standard_normal(400)
+    spiky = loss.copy()
+    spiky[260] += 0.5
+    shifted = loss.copy()
+    shifted[300:] += 0.3
+    for series, rule in ((spiky, "spike"), (shifted, "shift")):
+        m = {"step": np.arange(400), "loss": series}
+        first = (R.find_spikes(m) if rule == "spike" else R.find_shifts(m))[0].step
+        watch = G.Watch(spikes=rule == "spike")
+        fired = next(t for s, x in enumerate(series) if (t := watch.observe(s, float(x))))
+        assert (fired.rule, fired.event) == (rule, first)
+        assert fired.step == first + (R.ShiftRule().hold if rule == "shift" else 0)
+    assert G.Watch().observe(0, float("nan")).rule == "non-finite"
+
+
+def test_the_guard_plan_rolls_back_past_the_margin_and_escalates_at_a_relapse():
+    cfg = G.GuardConfig(on=True, margin=20, escalate="qk-norm", relapses=2, within=500)
+    first = G.plan(cfg, G.Trigger("spike", 150, 150, 3.0), [100, 120, 140], [])
+    assert (first["action"], first["rollback_to"], first["replaced_until"]) == ("rollback", 120,
+                                                                               151)
+    second = G.plan(cfg, G.Trigger("shift", 400, 450, 3.0), [100, 120, 380], [first])
+    assert (second["action"], second["escalation"], second["rollback_to"]) == ("escalate",
+                                                                               "qk-norm", 380)
+    far = G.plan(cfg, G.Trigger("spike", 900, 900, 3.0), [100, 120, 380], [first])
+    assert far["action"] == "rollback"  # 750 steps after the first: no relapse
+    assert G.plan(cfg, G.Trigger("spike", 110, 110, 3.0), [100], [])["action"] == "stop"
+    eff = G.effective_config(tiny(), [first, second])
+    assert eff.data.replace_batches == "120:151,380:451" and eff.model.qk_norm
+    assert not G.effective_config(tiny(), [first, second], restored_at=380).model.qk_norm
+    with pytest.raises(ValueError, match="--guard.escalate"):
+        G.GuardConfig(escalate="maybe")
+
+
+def plant_guard_events(monkeypatch, poison=(), shift_from=None):
+    """Test-only data: the original batches of `poison` steps make the loss NaN (a replaced
+    batch is clean); from `shift_from` on, every batch adds 1 nat to the loss of a model
+    without QK-Norm (a level shift that only the escalation ends)."""
+    batch, loss_fn = D.TokenData.batch, T.loss_fn
+
+    def planted_batch(self, step, rows=slice(None)):
+        tokens = batch(self, step, rows).copy()
+        if step in poison and not any(step in r for r in self.replaced):
+            tokens[0, 0] = 254
+        if shift_from is not None and step >= shift_from:
+            tokens[0, 0] = 255
+        return tokens
+
+    def planted_loss(params, tokens, cfg, **kw):
+        loss, aux = loss_fn(params, tokens, cfg, **kw)
+        loss = loss + (0.0 if cfg.qk_norm else 1.0) * (tokens[0, 0] == 255)
+        return loss * jnp.where(tokens[0, 0] == 254, jnp.nan, 1.0), aux
+    monkeypatch.setattr(D.TokenData, "batch", planted_batch)
+    monkeypatch.setattr(T, "loss_fn", planted_loss)
+
+
+def final_state(cfg):
+    run = pathlib.Path(cfg.run_dir)
+    return restore_final(G.effective_config(cfg, G.read_events(run)), C.saved_steps(run)[-1])
+
+
+@pytest.mark.slow
+def test_the_guard_rolls_back_a_poisoned_batch_and_never_applies_it(tmp_path, monkeypatch):
+    plant_guard_events(monkeypatch, poison={7})
+    cfg = tiny(tmp_path, steps=12, checkpoint_every=2, keep_checkpoints=10, guard__on=True,
+               guard__margin=1)
+    T.train(cfg, devices=jax.devices()[:1])
+    (e,) = G.read_events(tmp_path / "run")
+    assert (e["rule"], e["rollback_to"], e["replaced_until"]) == ("non-finite", 6, 8)
+    m = R.read_metrics(tmp_path / "run")
+    assert np.all(np.isfinite(m["loss"])) and not np.any(m["skipped"])  # on the new path
+    # the same as a run told to replace those batches from the start: the poison never applied
+    plain = tiny(tmp_path / "plain", steps=12, checkpoint_every=2, data__replace_batches="6:8")
+    T.train(plain, devices=jax.devices()[:1])
+    assert_trees_equal(final_state(cfg)["params"], final_state(plain)["params"])
+
+
+class Killed(Exception):
+    pass
+
+
+@pytest.mark.slow
+def test_the_guard_escalates_a_relapsing_shift_to_qk_norm_and_a_kill_changes_nothing(
+        tmp_path, monkeypatch):
+    plant_guard_events(monkeypatch, shift_from=150)
+    runs = {}
+    record = G.record
+    # a kill after the bad path's checkpoints are deleted, before the rollback is recorded;
+    # and one right after the escalation is recorded, before its QK-Norm is inserted
+    for name, kill_at in (("straight", None), ("kill-rollback", (1, "before")),
+                          ("kill-escalation", (2, "after"))):
+        calls = []
+
+        def killing(run_dir, event, calls=calls, kill_at=kill_at):
+            calls.append(event)
+            if kill_at == (len(calls), "before"):
+                raise Killed
+            record(run_dir, event)
+            if kill_at == (len(calls), "after"):
+                raise Killed
+        monkeypatch.setattr(G, "record", killing)
+        cfg = tiny(tmp_path / name, steps=260, checkpoint_every=20, keep_checkpoints=20,
+                   eval_every=260, guard__on=True, guard__escalate="qk-norm")
+        killed = False
+        try:
+            T.train(cfg, devices=jax.devices()[:1])
+        except Killed:
+            killed = True
+            T.train(cfg, devices=jax.devices()[:1])  # the same command again
+        runs[name] = cfg
+        assert killed == (kill_at is not None)
+        # killed before its record, the rollback is decided again; after it, re-applied
+        assert len(calls) == 2 + (kill_at is not None and kill_at[1] == "before")
+    events = G.read_events(tmp_path / "straight" / "run")
+    assert [e["action"] for e in events] == ["rollback", "escalate"]
+    assert events[1]["escalation"] == "qk-norm" and events[1]["rollback_to"] == 120
+    m = R.read_metrics(tmp_path / "straight" / "run")
+    after = m["loss"][m["step"] > events[1]["replaced_until"]]
+    assert after.max() < m["loss"][100:140].max() + 0.5  # no relapse: the planted nat is gone
+    straight = final_state(runs["straight"])
+    assert "q_norm" in straight["params"]["layers"]
+    for name in ("kill-rollback", "kill-escalation"):
+        assert G.read_events(tmp_path / name / "run") == events
+        assert_trees_equal(final_state(runs[name]), straight)
 
 
 @pytest.mark.slow

@@ -25,17 +25,22 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import P
 from jax.experimental import multihost_utils
 
+import guard
 from attention import check_platform, resolve
 from checkpoint import (
     abstract_state,
+    carry,
     check_run_dir,
     checkpoint_manager,
     fresh_state,
+    init_new_leaves,
     per_device_bytes,
+    restore_checkpoint,
     resume,
     run_lock,
     save_checkpoint,
@@ -76,7 +81,9 @@ def parse_config(argv: list[str]) -> TrainConfig:
 
 
 def parse_flags(default: TrainConfig, args: list[str]) -> TrainConfig:
-    """tyro over TrainConfig with `default` as the defaults; a bad flag is a UserError."""
+    """tyro over TrainConfig with `default` as the defaults; a bad flag is a UserError.
+    `--guard` alone is `--guard.on`."""
+    args = ["--guard.on" if a == "--guard" else a for a in args]
     return parse(TrainConfig, args, default=default,
                  description=f"{__doc__}\nPresets: {', '.join(PRESETS)}.")
 
@@ -100,6 +107,14 @@ def load_data(cfg: TrainConfig) -> TokenData:
 
 def make_tx(cfg: TrainConfig):
     return make_optimizer(cfg.optim, cfg.steps, decay_mask(cfg.model))
+
+
+def insert_qk_norm(cfg: TrainConfig, state: dict, mesh) -> dict:
+    """The warm start's carry in process: `state` (a run without QK-Norm) in cfg's state, the
+    new norm scales at 1 with zero moments, every other leaf kept."""
+    tx = make_tx(cfg)
+    target = abstract_state(cfg.model, tx, mesh)
+    return carry(state, target, init_new_leaves(cfg, tx, target))[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,6 +340,9 @@ def train(cfg: TrainConfig, devices=None) -> dict:
                 f"step {taken} on (a switch the run's config records)")
     hf_params = load_hf(pathlib.Path(cfg.init_from_hf), cfg.model) if cfg.init_from_hf and \
         not steps else None
+    user_cfg, events = cfg, guard.read_events(run_dir) if steps else []
+    at = cfg.resume_step if cfg.resume_step is not None else (steps or [0])[-1]
+    cfg = guard.effective_config(user_cfg, events, restored_at=at)  # the checkpoint's shape
     data = load_data(cfg)
     tx = make_tx(cfg)
     target = abstract_state(cfg.model, tx, mesh)
@@ -340,13 +358,64 @@ def train(cfg: TrainConfig, devices=None) -> dict:
             say(f"new run {run_dir}: {n / 1e6:.2f}M params, {cfg.steps} steps, "
                 f"mesh {cfg.mesh.data}x{cfg.mesh.model} on {jax.process_count()} process(es), "
                 f"{data.train.size:,} training tokens")
+        if events:  # the guard's actions so far, re-applied
+            cfg = guard.effective_config(user_cfg, events)
+            if guard.pending_insertion(events, int(state["step"])):
+                state = insert_qk_norm(cfg, state, mesh)
+            tx, data = make_tx(cfg), load_data(cfg)
+            say(f"guard: {len(guard.acted(events))} recorded action(s) re-applied")
         if jax.process_index() == 0:
-            write_config(run_dir, dataclasses.asdict(cfg))
+            write_config(run_dir, dataclasses.asdict(user_cfg))
         mngr = mngr or checkpoint_manager(run_dir, cfg.keep_checkpoints)
-        return run_loop(cfg, tx, state, data, mesh, mngr, run_dir)
+        return run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg)
 
 
-def run_loop(cfg, tx, state, data, mesh, mngr, run_dir) -> dict:
+def losses_before(run_dir: pathlib.Path, start: int) -> dict[int, float]:
+    """{step: loss} of the guard.SPAN steps before `start`, from metrics.jsonl (process 0's,
+    sent to every process: each must take the same decisions)."""
+    steps_losses = np.full((2, guard.SPAN), -1.0)
+    if jax.process_index() == 0 and start and (run_dir / "metrics.jsonl").is_file():
+        m = read_metrics(run_dir)
+        keep = (m["step"] < start) & (m["step"] >= start - guard.SPAN)
+        n = int(keep.sum())
+        steps_losses[:, :n] = m["step"][keep], m["loss"][keep]
+    if jax.process_count() > 1:
+        steps_losses = multihost_utils.broadcast_one_to_all(steps_losses)
+    return {int(s): float(x) for s, x in steps_losses.T if s >= 0}
+
+
+def guard_action(trigger, cfg, user_cfg, mngr, run_dir, mesh, log):
+    """The guard's answer to `trigger` (guard.py): None to go on as before, or (cfg, tx, state)
+    to go on with from the rollback point. Exits on a "stop"."""
+    mngr.wait_until_finished()
+    events = guard.read_events(run_dir)
+    e = guard.plan(cfg.guard, trigger, sorted(mngr.all_steps()), events)
+    say(guard.describe(e))
+    log.tracker.log({"guard_action": e["action"], "guard_event_step": e["event_step"]},
+                    trigger.step)
+    if e["action"] in ("rollback", "escalate"):  # the bad path's checkpoints go first
+        for s in sorted(mngr.all_steps(), reverse=True):
+            if s > e["rollback_to"]:
+                mngr.delete(s)
+    if jax.process_index() == 0:
+        guard.record(run_dir, e)
+    if e["action"] == "go-on":
+        return None
+    if e["action"] == "stop":
+        print(f"stopping: the guard's verdict at step {trigger.step}: {e['why']}. Last "
+              f"checkpoint: step {mngr.latest_step()} in {run_dir}", file=sys.stderr)
+        log.tracker.finish()
+        sys.exit(1)
+    r, events = e["rollback_to"], events + [e]
+    before = guard.effective_config(user_cfg, events, restored_at=r)
+    state = restore_checkpoint(mngr, r, abstract_state(before.model, make_tx(before), mesh))
+    new = guard.effective_config(user_cfg, events)
+    if guard.pending_insertion(events, r):
+        state = insert_qk_norm(new, state, mesh)
+    return new, make_tx(new), state
+
+
+def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None) -> dict:
     train_step, eval_step = make_train_step(cfg, tx), make_eval_step(cfg)
     batch_sharding = jax.NamedSharding(mesh, BATCH)
     rows = process_rows(batch_sharding, cfg.data.batch_size)
@@ -369,7 +438,35 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir) -> dict:
         except Exception as e:
             checkpoint_failed(e, run_dir)
 
-    for step in range(start, cfg.steps):
+    watch, seen = None, {}  # the guard, and the losses it has seen by step
+    if cfg.guard.on:  # its view of the steps before `start` (after a resume)
+        seen = losses_before(run_dir, start)
+        watch = guard.Watch.replay(cfg.guard, seen, start)
+
+    def record(step_metrics):  # log a step; with the guard on, the guard's answer to it
+        last = log.record(*step_metrics)
+        if watch is None:
+            return last, None
+        loss = last["loss"] if math.isfinite(last["grad_norm"]) else math.nan
+        seen[last["step"]] = loss
+        trigger = watch.observe(last["step"], loss)
+        return last, trigger and guard_action(trigger, cfg, user_cfg or cfg, mngr, run_dir, mesh,
+                                              log)
+
+    def go_back(acted):  # go on from the guard's rollback point with what it changed
+        new_cfg, new_tx, new_state = acted
+        data.replaced = guard.parse_ranges(new_cfg.data.replace_batches, "replace_batches")
+        steps = (train_step, eval_step)
+        if (new_cfg.model, new_cfg.optim) != (cfg.model, cfg.optim):  # a new step function
+            steps = make_train_step(new_cfg, new_tx), make_eval_step(new_cfg)
+        at = int(new_state["step"])
+        kept = {s: x for s, x in seen.items() if at - guard.SPAN <= s < at}
+        log.nonfinite, log.shown = 0, (at - 1, time.perf_counter())
+        return new_cfg, new_tx, new_state, *steps, at, kept, guard.Watch.replay(new_cfg.guard,
+                                                                              kept, at)
+
+    step = start
+    while step < cfg.steps:
         state, metrics = train_step(state, put(data.batch(step, rows)))  # dispatch: async
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
@@ -378,27 +475,38 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir) -> dict:
         # s's would make the host wait for the device, which would then idle while the host
         # logs and builds the next batch.
         if prev is not None:
-            last = log.record(*prev)
+            (last, acted), prev = record(prev), None
+            if acted:
+                cfg, tx, state, train_step, eval_step, step, seen, watch = go_back(acted)
+                continue
             if log.nonfinite >= cfg.max_consecutive_nonfinite:
                 checkpoint()
                 print(f"stopping: {log.nonfinite} non-finite steps in a row (last at step "
-                      f"{prev[0]}); parameters were left unchanged by them. Last checkpoint: "
-                      f"step {mngr.latest_step()} in {run_dir}", file=sys.stderr)
+                      f"{last['step']}); parameters were left unchanged by them. Last "
+                      f"checkpoint: step {mngr.latest_step()} in {run_dir}", file=sys.stderr)
                 log.tracker.finish()
                 sys.exit(1)
         prev = (step, metrics)
         stopping = stop.requested(step)
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping:
+        saving = done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping
+        if saving and watch is not None:  # the guard sees a step before its state is saved
+            (last, acted), prev = record(prev), None
+            if acted:
+                cfg, tx, state, train_step, eval_step, step, seen, watch = go_back(acted)
+                continue
+            watch = guard.Watch.replay(cfg.guard, seen, done)  # as a resume from here has it
+        if saving:
             checkpoint(done)
         if stopping:
             break
+        step += 1
     if prev is not None:
         last = log.record(*prev)
-        if last["step"] > start:
-            last["avg_tokens_per_s"] = log.average_tokens_per_s(last["step"])
+    if last and last["step"] > start:
+        last["avg_tokens_per_s"] = log.average_tokens_per_s(last["step"])
     checkpoint()
     if stop.signal:
-        say(f"saved step {prev[0] + 1} to {run_dir}; resume with the same command")
+        say(f"saved step {last['step'] + 1} to {run_dir}; resume with the same command")
         log.tracker.finish()
         sys.exit(128 + stop.signal)
     if log.file:

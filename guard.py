@@ -1,0 +1,210 @@
+"""The spike guard (`train.py --guard`): what Marin did by hand over weeks, done by the loop.
+
+    python train.py story --guard                              # roll back, skip the data
+    python train.py story --guard --guard.escalate qk-norm    # ...and insert QK-Norm on relapse
+
+The loop hands every step's loss and grad norm (the values it already reads for the log) to a
+`Watch`, which applies report.py's rules online: the one-step spike rule, the level-shift rule,
+and a non-finite step. On a trigger the loop
+
+1. rolls back to the last kept checkpoint at least `margin` steps before the event (PaLM
+   restarted ~100 steps before a spike; the state in memory is dropped, no recompilation),
+2. replaces the batches from that checkpoint to the trigger by other batches, as
+   `--data.replace-batches` does, so the run never trains on them again (PaLM skipped 200-500),
+3. re-warms the LR from the rollback point if `rewarm_steps` > 0,
+4. and at the `relapses`-th trigger within `within` steps escalates instead: inserts QK-Norm in
+   process (the warm start's carry: every leaf kept, the new scales at 1 with zero moments,
+   the LR re-warmed over `escalate_rewarm_steps`), or switches QK-Clip on, or stops.
+
+Every action is one line of the run directory's events.jsonl, written before the run goes on
+from the rollback point: the replaced windows and escalations are part of the run from then on,
+and a resume re-applies them (`effective_config`). The order of an action makes a kill at any
+point safe: the checkpoints after the rollback point are deleted first, then the event is
+recorded. A kill before the record resumes on the old path, meets the same trigger (the run is
+deterministic) and takes the same action; a kill after it resumes on the new path. A checkpoint
+at a step after an escalation holds the escalated state; the checkpoint at the escalation's own
+step still holds the plain one, and the insertion is repeated on a resume from it.
+
+On several processes every process sees the same replicated loss and grad norm and takes the
+same decision; process 0 writes the record.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+from collections import deque
+
+import numpy as np
+
+from data import parse_ranges  # noqa: F401  (train.py re-parses the windows with it)
+from report import ShiftRule, SpikeRule, acted, describe, read_events  # noqa: F401  (the record)
+
+ESCALATIONS = ("none", "qk-norm", "qk-clip", "stop")
+SPIKE_RULE, SHIFT_RULE = SpikeRule(), ShiftRule()  # report.py's rules at their defaults
+SPAN = 200  # steps of loss history the watch is rebuilt from (> the rules' 120)
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardConfig:
+    on: bool = False  # `--guard`: watch the loss, roll back on a spike, a level shift, a NaN
+    spikes: bool = True  # act on one-step loss spikes (report.py's rule, its defaults)
+    shifts: bool = True  # act on level shifts (report.py's rule, its defaults)
+    margin: int = 20  # roll back to a checkpoint at least this many steps before the event
+    rewarm_steps: int = 0  # after a rollback, re-warm the LR over this many steps (0: no)
+    escalate: str = "none"  # at a relapse: "qk-norm", "qk-clip", "stop", or "none" (roll back)
+    relapses: int = 2  # escalate at this many triggers (the first included)...
+    within: int = 2000  # ...whose events lie within this many steps
+    escalate_rewarm_steps: int = 100  # the LR re-warmup after an escalation (Marin: 1,000)
+    qk_clip: float = 100.0  # QK-Clip's threshold where `escalate` is "qk-clip" (Kimi K2: 100)
+    too_far: str = "stop"  # no kept checkpoint before the event: "stop", or "go-on" unguarded
+    max_actions: int = 20  # stop after this many rollbacks (a guard that cannot help)
+
+    def __post_init__(self):
+        if self.escalate not in ESCALATIONS:
+            raise ValueError(f"--guard.escalate must be one of {', '.join(ESCALATIONS)}, "
+                             f"got {self.escalate!r}")
+        if self.too_far not in ("stop", "go-on"):
+            raise ValueError(f"--guard.too-far must be stop or go-on, got {self.too_far!r}")
+        if min(self.margin, self.rewarm_steps, self.escalate_rewarm_steps) < 0 or \
+                min(self.relapses, self.within, self.max_actions) < 1:
+            raise ValueError("--guard.margin and the --guard.*rewarm-steps must be >= 0, "
+                             "--guard.relapses, --guard.within and --guard.max-actions >= 1")
+        if not 0 < self.qk_clip < math.inf:
+            raise ValueError(f"--guard.qk-clip must be positive, got {self.qk_clip}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Trigger:
+    rule: str  # "spike", "shift" or "non-finite"
+    event: int  # the event's first step
+    step: int  # the step whose metrics fired it (a level shift is known `hold` steps late)
+    loss: float
+
+
+class Watch:
+    """report.py's rules, one step at a time: the spike rule's threshold over the last `window`
+    non-spike losses, the level-shift rule's smoothed loss against the mean of the `window`
+    steps before, held `hold` steps. A test checks it fires where find_spikes / find_shifts
+    find the first event of a series."""
+
+    def __init__(self, spikes=True, shifts=True, spike=SPIKE_RULE, shift=SHIFT_RULE):
+        self.spikes, self.shifts, self.rule, self.shift = spikes, shifts, spike, shift
+        self.history = deque(maxlen=spike.window)  # losses the spike threshold is taken over
+        self.recent = deque(maxlen=shift.smooth + shift.window)  # the last losses, NaN kept
+        self.candidate = None  # (first step, pre-event level) of a rise not yet held long enough
+
+    def observe(self, step: int, loss: float) -> Trigger | None:
+        if not math.isfinite(loss):
+            self.recent.append(math.nan)
+            return Trigger("non-finite", step, step, loss)
+        fired = None
+        if len(self.history) >= self.rule.window // 2:
+            h = np.array(self.history)
+            if loss > h.mean() + max(self.rule.sigma * h.std(ddof=1), self.rule.min_height):
+                fired = Trigger("spike", step, step, loss) if self.spikes else None
+        if fired is None:
+            self.history.append(loss)
+        self.recent.append(loss)
+        return fired or (self.level_shift(step, loss) if self.shifts else None)
+
+    def level_shift(self, step: int, loss: float) -> Trigger | None:
+        r, x = self.shift, np.array(self.recent)
+        if len(x) < r.smooth + r.window:
+            return None
+        smooth = np.nanmean(x[-r.smooth:])
+        if self.candidate is not None:
+            start, pre = self.candidate
+            if not smooth >= pre + r.margin:
+                self.candidate = None
+            elif step - start >= r.hold:
+                self.candidate = None
+                return Trigger("shift", start, step, loss)
+            return None
+        pre = float(np.nanmean(x[-r.window - 1:-1]))
+        if smooth >= pre + r.rise:
+            self.candidate = (step, pre)
+        return None
+
+    @classmethod
+    def replay(cls, cfg: GuardConfig, seen: dict[int, float], before: int) -> "Watch":
+        """The watch as the loop has it at step `before`: the SPAN losses before it replayed,
+        in step order (the same after an in-process rollback and after a resume)."""
+        w = cls(cfg.spikes, cfg.shifts)
+        for s in sorted(seen):
+            if before - SPAN <= s < before:
+                w.observe(s, seen[s])
+        return w
+
+
+# ---------------------------------------------------------------------------------------------
+# The record: events.jsonl
+
+def record(run_dir: pathlib.Path, event: dict) -> None:
+    """Append one event and make it durable before the run acts on it."""
+    path = pathlib.Path(run_dir) / "events.jsonl"
+    if path.exists():  # a torn last line (a kill mid-write) is cut first
+        text = path.read_text()
+        if text and not text.endswith("\n"):
+            path.write_text(text[:text.rfind("\n") + 1])
+    with open(path, "a") as f:
+        f.write(json.dumps(event) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def effective_config(cfg, events: list[dict], restored_at: int | None = None):
+    """cfg with the recorded actions applied: every replaced window, the latest re-warmup, the
+    escalations. With `restored_at`, only escalations before that step (those a checkpoint at
+    that step already holds): the shape of the state to restore."""
+    windows = [cfg.data.replace_batches] if cfg.data.replace_batches else []
+    model, optim = cfg.model, cfg.optim
+    for e in acted(events):
+        windows.append(f"{e['rollback_to']}:{e['replaced_until']}")
+        if e.get("rewarm_steps"):
+            optim = dataclasses.replace(optim, rewarmup_start=e["rollback_to"],
+                                        rewarmup_steps=e["rewarm_steps"])
+        if e.get("escalation") and (restored_at is None or e["rollback_to"] < restored_at):
+            if e["escalation"] == "qk-norm":
+                model = dataclasses.replace(model, qk_norm=True)
+            elif e["escalation"] == "qk-clip":
+                optim = dataclasses.replace(optim, qk_clip=e["qk_clip"],
+                                            qk_clip_start=e["rollback_to"])
+    data = dataclasses.replace(cfg.data, replace_batches=",".join(windows))
+    return dataclasses.replace(cfg, model=model, optim=optim, data=data)
+
+
+def pending_insertion(events: list[dict], restored_at: int) -> bool:
+    """Whether the checkpoint at `restored_at` predates an escalation to QK-Norm at its own
+    step (the insertion is then repeated on it)."""
+    return any(e.get("escalation") == "qk-norm" and e["rollback_to"] == restored_at
+               for e in events)
+
+
+def plan(cfg: GuardConfig, trigger: Trigger, kept: list[int], events: list[dict]) -> dict:
+    """The action for `trigger`, given the kept checkpoint steps and the events so far: a dict
+    that becomes the event's record ("action": "rollback", "escalate", "stop" or "go-on")."""
+    e = {"rule": trigger.rule, "event_step": trigger.event, "trigger_step": trigger.step,
+         "loss": None if not math.isfinite(trigger.loss) else trigger.loss}
+    events = acted(events)
+    escalated = any(x.get("escalation") for x in events)
+    if len(events) >= cfg.max_actions:
+        return e | {"action": "stop", "why": f"{cfg.max_actions} rollbacks already"}
+    before = [s for s in kept if s <= trigger.event - cfg.margin]
+    if not before:
+        return e | {"action": cfg.too_far, "why": f"no kept checkpoint at or before step "
+                    f"{trigger.event - cfg.margin} (kept: {kept or 'none'})"}
+    recent = [x for x in events if trigger.event - x["event_step"] < cfg.within]
+    relapse = len(recent) + 1 >= cfg.relapses
+    escalation = cfg.escalate if relapse and not escalated and cfg.escalate != "none" else None
+    if escalation == "stop":
+        return e | {"action": "stop", "why": f"{len(recent) + 1} triggers within {cfg.within} "
+                    "steps"}
+    r = before[-1]
+    e |= {"action": "escalate" if escalation else "rollback", "rollback_to": r,
+          "replaced_until": trigger.step + 1, "extra_steps": trigger.step + 1 - r}
+    if escalation:
+        return e | {"escalation": escalation, "rewarm_steps": cfg.escalate_rewarm_steps,
+                    **({"qk_clip": cfg.qk_clip} if escalation == "qk-clip" else {})}
+    return e | ({"rewarm_steps": cfg.rewarm_steps} if cfg.rewarm_steps else {})
