@@ -391,7 +391,8 @@ def guard_action(trigger, cfg, user_cfg, mngr, run_dir, mesh, log):
     events = guard.read_events(run_dir)
     e = guard.plan(cfg.guard, trigger, sorted(mngr.all_steps()), events)
     say(guard.describe(e))
-    log.tracker.log({"guard_action": e["action"], "guard_event_step": e["event_step"]},
+    log.tracker.log({"guard/event_step": e["event_step"], "guard/rollback_to":
+                     e.get("rollback_to", -1), "guard/escalated": int("escalation" in e)},
                     trigger.step)
     if e["action"] in ("rollback", "escalate"):  # the bad path's checkpoints go first
         for s in sorted(mngr.all_steps(), reverse=True):
