@@ -4,7 +4,9 @@
 
 Every form computes softmax(q k^T / sqrt(H), causal) v, and the max |q.k / sqrt(H)| over the
 entries attention uses (the causal ones): the statistic that explodes without QK-Norm. The
-statistic is a metric and carries no gradient.
+statistic is a metric and carries no gradient. With `softcap` c > 0 the scores s become
+c * tanh(s / c) before the softmax (Gemma 2's attention soft-capping; the statistic stays the
+uncapped one, the logit growth the cap hides); every form but cudnn has it.
 
     dense      the reference, and the cached decode's: scores [B, K, G, T, S] with K and V
                broadcast over each KV head's G query heads; memory O(T^2) per layer
@@ -24,6 +26,7 @@ Every form runs per device under `jax.shard_map` (batch over "data", heads over 
 its loops see plain local arrays.
 """
 
+import functools
 import math
 import typing
 
@@ -36,12 +39,19 @@ FORMS = typing.get_args(Form)
 _MASKED = -1e30
 
 
-def resolve(form: str, dtype: str, backend: str | None = None) -> str:
-    """The form `auto` stands for on this platform; other forms as given."""
+def resolve(form: str, dtype: str, backend: str | None = None, softcap: float = 0.0) -> str:
+    """The form `auto` stands for on this platform (never cudnn with a soft-cap, which the
+    library call lacks); other forms as given."""
     if form != "auto":
         return form
     backend = backend or jax.default_backend()
-    return "cudnn" if backend == "gpu" and dtype in ("bfloat16", "float16") else "blockwise"
+    return ("cudnn" if backend == "gpu" and dtype in ("bfloat16", "float16") and not softcap
+            else "blockwise")
+
+
+def cap(s, softcap: float):
+    """Gemma 2's soft-cap c * tanh(s / c) (c = 0: none)."""
+    return softcap * jnp.tanh(s / softcap) if softcap else s
 
 
 def check_platform(form: str, platform: str) -> None:
@@ -50,11 +60,14 @@ def check_platform(form: str, platform: str) -> None:
                          f"{platform}: use --model.attention auto")
 
 
-def attend(q_BTNH, k_BTKH, v_BTKH, form: str, block: int, spec: P):
+def attend(q_BTNH, k_BTKH, v_BTKH, form: str, block: int, spec: P, softcap: float = 0.0):
     """Attention output [B, T, N, H] and the max |attention logit| (a float32 scalar), for
     arrays sharded as `spec` (model.py's table: batch over "data", heads over "model")."""
-    local = {"dense": dense, "grouped": grouped, "cudnn": cudnn,
-             "blockwise": lambda q, k, v: blockwise(q, k, v, block)}[form]
+    if softcap and form == "cudnn":
+        raise ValueError("the cudnn attention form has no soft-cap: use blockwise")
+    local = {"dense": lambda q, k, v: dense(q, k, v, softcap=softcap),
+             "grouped": lambda q, k, v: grouped(q, k, v, softcap), "cudnn": cudnn,
+             "blockwise": lambda q, k, v: blockwise(q, k, v, block, softcap)}[form]
 
     def per_device(q, k, v):
         out, logit_max = local(q, k, v)
@@ -68,7 +81,7 @@ def attend(q_BTNH, k_BTKH, v_BTKH, form: str, block: int, spec: P):
     return out_BTNH, jnp.max(maxes)
 
 
-def dense(q_BTNH, k_BSKH, v_BSKH, q_offset=0):
+def dense(q_BTNH, k_BSKH, v_BSKH, q_offset=0, softcap: float = 0.0):
     """The reference form. Query t sits at position q_offset + t and sees the keys at positions
     up to its own: causal for training (q_offset 0), and for the cached decode, whose queries
     start at the cache's fill level and whose unfilled tail lies past every query."""
@@ -79,7 +92,8 @@ def dense(q_BTNH, k_BSKH, v_BSKH, q_offset=0):
                               preferred_element_type=jnp.float32) / math.sqrt(H)
     causal_TS = (q_offset + jnp.arange(T))[:, None] >= jnp.arange(S)[None, :]
     logit_max = jnp.max(jnp.where(causal_TS, jnp.abs(logits_BKGTS), 0.0))
-    probs_BKGTS = jax.nn.softmax(jnp.where(causal_TS, logits_BKGTS, _MASKED), axis=-1)
+    probs_BKGTS = jax.nn.softmax(jnp.where(causal_TS, cap(logits_BKGTS, softcap), _MASKED),
+                                 axis=-1)
     out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS.astype(v_BSKH.dtype), v_BSKH)
     return out_BTKGH.reshape(B, T, N, H), jax.lax.stop_gradient(logit_max)
 
@@ -121,7 +135,7 @@ def _ungroup(x_BKRH, T):
     return x_BKRH.reshape(B, K, T, R // T, H).transpose(0, 2, 1, 3, 4).reshape(B, T, -1, H)
 
 
-def grouped(q_BTNH, k_BTKH, v_BTKH):
+def grouped(q_BTNH, k_BTKH, v_BTKH, softcap: float = 0.0):
     B, T, N, H = q_BTNH.shape
     K, G = k_BTKH.shape[2], N // k_BTKH.shape[2]
     q_BKRH = _grouped_rows(q_BTNH * jnp.asarray(1 / math.sqrt(H), q_BTNH.dtype), K)
@@ -129,7 +143,8 @@ def grouped(q_BTNH, k_BTKH, v_BTKH):
                              preferred_element_type=jnp.float32)
     causal_RS = (jnp.arange(T * G) // G)[:, None] >= jnp.arange(T)[None, :]
     logit_max = jnp.max(jnp.where(causal_RS, jnp.abs(logits_BKRS), 0.0))
-    probs_BKRS = jax.nn.softmax(jnp.where(causal_RS, logits_BKRS, _MASKED), axis=-1)
+    probs_BKRS = jax.nn.softmax(jnp.where(causal_RS, cap(logits_BKRS, softcap), _MASKED),
+                                axis=-1)
     out_BKRH = jnp.einsum("bkrs,bskh->bkrh", probs_BKRS.astype(v_BTKH.dtype), v_BTKH)
     return _ungroup(out_BKRH, T), jax.lax.stop_gradient(logit_max)
 
@@ -179,42 +194,52 @@ def _causal(q_start, k_start, shape, G):
     return (q_start + jnp.arange(rows) // G)[:, None] >= (k_start + jnp.arange(cols))[None, :]
 
 
-def blockwise(q_BTNH, k_BTKH, v_BTKH, block: int):
+def blockwise(q_BTNH, k_BTKH, v_BTKH, block: int, softcap: float = 0.0):
     B, T, N, H = q_BTNH.shape
     c = min(block, T)
     q_BTNH = q_BTNH * jnp.asarray(1 / math.sqrt(H), q_BTNH.dtype)
     q, k, v, n = _blocks(q_BTNH, k_BTKH, v_BTKH, c)
-    out_nBKRH, logit_max = _flash(q, k, v) if n > 1 else _one_block(q, k, v)
+    out_nBKRH, logit_max = (_flash if n > 1 else _one_block)(q, k, v, softcap)
     K = k.shape[2]
     out_BncKGH = out_nBKRH.reshape(n, B, K, c, N // K, H).transpose(1, 0, 3, 2, 4, 5)
     return out_BncKGH.reshape(B, n * c, N, H)[:, :T], logit_max
 
 
-@jax.custom_vjp
-def _flash(q, k, v):
-    out, _, logit_max = _flash_forward(q, k, v)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _flash(q, k, v, softcap):
+    out, _, logit_max = _flash_forward(q, k, v, softcap)
     return out, logit_max
 
 
-def _scores(q_BKRH, k_BKSH, G: int, q_start: int | None):
-    """A block's scores and their max |logit| over the causal entries. q_start: the position
-    of the block's first query relative to its first key where the diagonal crosses the block
-    (the only blocks that need a mask); None for a block left of the diagonal."""
+def _scores(q_BKRH, k_BKSH, G: int, q_start: int | None, softcap: float):
+    """A block's scores (soft-capped) and their max |logit| (uncapped) over the causal
+    entries. q_start: the position of the block's first query relative to its first key where
+    the diagonal crosses the block (the only blocks that need a mask); None for a block left
+    of the diagonal."""
     s_BKRS = jnp.einsum("bkrh,bksh->bkrs", q_BKRH, k_BKSH, preferred_element_type=jnp.float32)
     if q_start is None:
-        return s_BKRS, jnp.max(jnp.abs(s_BKRS))
+        return cap(s_BKRS, softcap), jnp.max(jnp.abs(s_BKRS))
     causal_RS = _causal(q_start, 0, s_BKRS.shape[-2:], G)
-    return (jnp.where(causal_RS, s_BKRS, _MASKED),
+    return (jnp.where(causal_RS, cap(s_BKRS, softcap), _MASKED),
             jnp.max(jnp.where(causal_RS, jnp.abs(s_BKRS), 0.0)))
 
 
-def _block_grads(q_BKRH, k_BKSH, v_BKSH, p_BKRS, d_out_BKRH, delta_BKR):
+def _cap_slope(s_BKRS, softcap: float):
+    """d(capped score) / d(score) = 1 - tanh^2, from the capped scores (masked ones: 0)."""
+    return 1 - jnp.square(jnp.clip(s_BKRS / softcap, -1, 1)) if softcap else None
+
+
+def _block_grads(q_BKRH, k_BKSH, v_BKSH, p_BKRS, d_out_BKRH, delta_BKR, slope_BKRS=None):
     """One (query block, key block) pair's share of dq, dk and dv, from its probabilities:
-    dv = p^T do, ds = p * (do v^T - rowsum(do * out)), dq = ds k, dk = ds^T q."""
+    dv = p^T do, ds = p * (do v^T - rowsum(do * out)) (times the soft-cap's slope), dq = ds k,
+    dk = ds^T q."""
     f32 = dict(preferred_element_type=jnp.float32)
     dv_BKSH = jnp.einsum("bkrs,bkrh->bksh", p_BKRS.astype(v_BKSH.dtype), d_out_BKRH, **f32)
     dp_BKRS = jnp.einsum("bkrh,bksh->bkrs", d_out_BKRH, v_BKSH, **f32)
-    ds_BKRS = (p_BKRS * (dp_BKRS - delta_BKR[..., None])).astype(q_BKRH.dtype)
+    ds_BKRS = p_BKRS * (dp_BKRS - delta_BKR[..., None])
+    if slope_BKRS is not None:
+        ds_BKRS = ds_BKRS * slope_BKRS
+    ds_BKRS = ds_BKRS.astype(q_BKRH.dtype)
     dq_BKRH = jnp.einsum("bkrs,bksh->bkrh", ds_BKRS, k_BKSH, **f32)
     dk_BKSH = jnp.einsum("bkrs,bkrh->bksh", ds_BKRS, q_BKRH, **f32)
     return dq_BKRH, dk_BKSH, dv_BKSH
@@ -233,44 +258,45 @@ def _chunks(T: int) -> list[tuple[int, int]]:
     return [(first, min(first + _CHUNK, T)) for first in range(0, T, _CHUNK)]
 
 
-@jax.custom_vjp
-def _one_block(q, k, v):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _one_block(q, k, v, softcap):
     """T <= block: one block, without loops. Its queries go in chunks of 32 positions, each
     against only the keys up to its last position: causal skipping at a finer grain than the
     block (bench/README.md has the measurements behind the chunk size). The chunks'
     probabilities, fewer than T^2 per head, are kept for the backward pass."""
-    return _one_block_fwd(q, k, v)[0]
+    return _one_block_fwd(q, k, v, softcap)[0]
 
 
-def _one_block_fwd(q, k, v):
+def _one_block_fwd(q, k, v, softcap):
     (q_BKRH,), (k_BKSH,), (v_BKSH,) = q, k, v
     G = q_BKRH.shape[2] // k_BKSH.shape[2]
-    outs, probs, top = [], [], jnp.zeros((), jnp.float32)
+    outs, probs, slopes, top = [], [], [], jnp.zeros((), jnp.float32)
     for first, end in _chunks(k_BKSH.shape[2]):
         s_BKRS, chunk_top = _scores(q_BKRH[:, :, first * G:end * G], k_BKSH[:, :, :end], G,
-                                    first)
+                                    first, softcap)
         p_BKRS = jax.nn.softmax(s_BKRS, axis=-1)
+        slopes.append(_cap_slope(s_BKRS, softcap))
         outs.append(jnp.einsum("bkrs,bksh->bkrh", p_BKRS.astype(v.dtype), v_BKSH[:, :, :end],
                                preferred_element_type=jnp.float32))
         probs.append(p_BKRS)
         top = jnp.maximum(top, chunk_top)
     out = jnp.concatenate(outs, axis=2).astype(q.dtype)[None]
-    return (out, top), (q, k, v, out, probs)
+    return (out, top), (q, k, v, out, probs, slopes)
 
 
-def _one_block_bwd(residuals, cotangents):
-    q, k, v, out, probs = residuals
+def _one_block_bwd(softcap, residuals, cotangents):
+    q, k, v, out, probs, slopes = residuals
     d_out = cotangents[0]  # the statistic's cotangent is dropped: it carries no gradient
     (q_BKRH,), (k_BKSH,), (v_BKSH,), (d_out_BKRH,) = q, k, v, d_out
     delta_BKR = _rowsum_d_out_out(d_out, out)[0]
     B, K, S, H = k_BKSH.shape
     G = q_BKRH.shape[2] // S
     dq, dk, dv = [], jnp.zeros((B, K, S, H), jnp.float32), jnp.zeros((B, K, S, H), jnp.float32)
-    for (first, end), p_BKRS in zip(_chunks(S), probs):
+    for (first, end), p_BKRS, slope in zip(_chunks(S), probs, slopes):
         rows = slice(first * G, end * G)
         dq_c, dk_c, dv_c = _block_grads(q_BKRH[:, :, rows], k_BKSH[:, :, :end],
                                         v_BKSH[:, :, :end], p_BKRS, d_out_BKRH[:, :, rows],
-                                        delta_BKR[:, :, rows])
+                                        delta_BKR[:, :, rows], slope)
         pad = [(0, 0), (0, 0), (0, S - end), (0, 0)]
         dq.append(dq_c)
         dk, dv = dk + jnp.pad(dk_c, pad), dv + jnp.pad(dv_c, pad)
@@ -281,7 +307,7 @@ def _one_block_bwd(residuals, cotangents):
 _one_block.defvjp(_one_block_fwd, _one_block_bwd)
 
 
-def _flash_forward(q, k, v):
+def _flash_forward(q, k, v, softcap):
     G = q.shape[3] // k.shape[3]
 
     def query_block(i):
@@ -289,7 +315,7 @@ def _flash_forward(q, k, v):
 
         def key_block(j, carry, on_diagonal=False):
             m_BKR, l_BKR, acc_BKRH, top = carry
-            s_BKRS, block_top = _scores(q_BKRH, k[j], G, 0 if on_diagonal else None)
+            s_BKRS, block_top = _scores(q_BKRH, k[j], G, 0 if on_diagonal else None, softcap)
             top = jnp.maximum(top, block_top)
             m_new = jnp.maximum(m_BKR, jnp.max(s_BKRS, axis=-1))
             p_BKRS = jnp.exp(s_BKRS - m_new[..., None])
@@ -310,12 +336,12 @@ def _flash_forward(q, k, v):
     return out, lse, jnp.max(top)
 
 
-def _flash_fwd(q, k, v):
-    out, lse, logit_max = _flash_forward(q, k, v)
+def _flash_fwd(q, k, v, softcap):
+    out, lse, logit_max = _flash_forward(q, k, v, softcap)
     return (out, logit_max), (q, k, v, out, lse)
 
 
-def _flash_bwd(residuals, cotangents):
+def _flash_bwd(softcap, residuals, cotangents):
     """Per key block j, over the query blocks i >= j: recompute p = exp(s - lse), then add
     the pair's share of dq, dk and dv."""
     q, k, v, out, lse = residuals
@@ -326,9 +352,10 @@ def _flash_bwd(residuals, cotangents):
     def key_block(dq, j):
         def query_block(i, carry, on_diagonal=False):
             dq, dk_BKSH, dv_BKSH = carry
-            s_BKRS, _ = _scores(q[i], k[j], G, 0 if on_diagonal else None)
+            s_BKRS, _ = _scores(q[i], k[j], G, 0 if on_diagonal else None, softcap)
             p_BKRS = jnp.exp(s_BKRS - lse[i][..., None])
-            dq_i, dk_j, dv_j = _block_grads(q[i], k[j], v[j], p_BKRS, d_out[i], delta[i])
+            dq_i, dk_j, dv_j = _block_grads(q[i], k[j], v[j], p_BKRS, d_out[i], delta[i],
+                                            _cap_slope(s_BKRS, softcap))
             return dq.at[i].add(dq_i), dk_BKSH + dk_j, dv_BKSH + dv_j
 
         zeros = jnp.zeros(k.shape[1:], jnp.float32)

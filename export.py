@@ -195,6 +195,9 @@ PARTIAL_MARKER = "spikefix-export"
 def export(args: ExportArgs) -> pathlib.Path:
     run, out = pathlib.Path(args.run), pathlib.Path(args.to)
     cfg, step = load_checkpointed(run, args.step)
+    if cfg.model.attn_softcap:
+        raise UserError(f"{run} soft-caps its attention scores (model.attn_softcap "
+                        f"{cfg.model.attn_softcap:g}), which Llama and Qwen3 do not: no export")
     check_new_folder(out, "--to")
     from safetensors.numpy import save_file
     params = restore_params(run, step, cfg)

@@ -46,6 +46,7 @@ class ModelConfig:
     # dense is the reference (and what the recorded experiments ran); blockwise is O(T) memory.
     attention: A.Form = "auto"
     attention_block: int = 256  # blockwise: positions per query / key block
+    attn_softcap: float = 0.0  # scores -> c * tanh(s / c) before the softmax (Gemma 2: 50); 0: off
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
@@ -67,6 +68,12 @@ class ModelConfig:
         if self.attention == "cudnn" and self.dtype == "float32":
             raise ValueError("model.attention cudnn needs --model.dtype bfloat16 or float16 "
                              "(cuDNN's fused attention has no float32 kernel)")
+        if not 0 <= self.attn_softcap < math.inf:
+            raise ValueError(f"model.attn_softcap must be >= 0 and finite, got "
+                             f"{self.attn_softcap}")
+        if self.attn_softcap and self.attention == "cudnn":
+            raise ValueError("model.attention cudnn has no soft-cap (the library call lacks "
+                             "it): use --model.attention blockwise with --model.attn-softcap")
         if self.attention_block <= 0:
             raise ValueError(f"model.attention_block must be positive, got "
                              f"{self.attention_block}")
@@ -292,9 +299,10 @@ def attention(x_BTD, p, cfg: ModelConfig, head_stats: bool = False):
     Returns the output and its statistics: the max |attention logit| over the causal entries,
     and with `head_stats` that max per query head ([N], for QK-Clip)."""
     q_BTNH, k_BTKH, v_BTKH = qkv(x_BTD, p, cfg)
-    form = A.resolve(cfg.attention, cfg.dtype)
+    form = A.resolve(cfg.attention, cfg.dtype, softcap=cfg.attn_softcap)
     spec = shard("batch", "seq", "heads", "head_dim")
-    out_BTNH, logit_max = A.attend(q_BTNH, k_BTKH, v_BTKH, form, cfg.attention_block, spec)
+    out_BTNH, logit_max = A.attend(q_BTNH, k_BTKH, v_BTKH, form, cfg.attention_block, spec,
+                                   cfg.attn_softcap)
     stats = {"attn_logit_max": logit_max}
     if head_stats:
         stats["attn_logit_max_per_head"] = A.head_logit_max(q_BTNH, k_BTKH, spec)
@@ -355,7 +363,8 @@ def forward_cached(params: dict, tokens_BT, cache: dict, cfg: ModelConfig):
         q_BTNH, k_BTKH, v_BTKH = qkv(rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps), p, cfg, pos)
         k_cache_BSKH = jax.lax.dynamic_update_slice(k_cache_BSKH, k_BTKH, (0, pos, 0, 0))
         v_cache_BSKH = jax.lax.dynamic_update_slice(v_cache_BSKH, v_BTKH, (0, pos, 0, 0))
-        out_BTNH, _ = A.dense(q_BTNH, k_cache_BSKH, v_cache_BSKH, q_offset=pos)
+        out_BTNH, _ = A.dense(q_BTNH, k_cache_BSKH, v_cache_BSKH, q_offset=pos,
+                              softcap=cfg.attn_softcap)
         x_BTD = x_BTD + matmul_2d(out_BTNH, p["wo"], ("act_embed",))
         return x_BTD + mlp(rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps), p), (k_cache_BSKH,
                                                                                 v_cache_BSKH)

@@ -64,6 +64,7 @@ class Group:
     lrs: tuple[float, ...] = (1e-2,)
     seeds: tuple[int, ...] = (0, 1, 2)
     optim: tuple[tuple[str, object], ...] = ()  # a lever: OptimConfig fields, (name, value)
+    model: tuple[tuple[str, object], ...] = ()  # ...or ModelConfig fields
     compare_with: str = ""  # the QK-Norm group S1 is taken against (default: NAME-qk)
 
     def __post_init__(self):
@@ -79,7 +80,8 @@ class Group:
         model = dataclasses.replace(
             base.model, d_model=self.d_model, d_ff=round(8 / 3 * self.d_model / 4) * 4,
             n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
-            qk_norm=self.qk_norm, z_loss_weight=self.z_loss_weight, attention="auto")
+            qk_norm=self.qk_norm, z_loss_weight=self.z_loss_weight, attention="auto",
+            **dict(self.model))
         optim = dataclasses.replace(base.optim, lr=self.lrs[0] if self.qk_clip else 1.0,
                                     b2=self.b2, eps=self.eps, weight_decay=self.weight_decay,
                                     warmup_steps=self.warmup_steps, max_grad_norm=0.0,
@@ -90,9 +92,9 @@ class Group:
         return dataclasses.replace(base, model=model, optim=optim, data=data, steps=self.steps)
 
     def settings(self) -> dict:
-        d = dataclasses.asdict(self) | {"optim": dict(self.optim)}
+        d = dataclasses.asdict(self) | {"optim": dict(self.optim), "model": dict(self.model)}
         return {k: v for k, v in d.items() if k not in ("name", "lrs", "seeds", "compare_with")
-                and (k != "optim" or v)}
+                and (k not in ("optim", "model") or v)}
 
 
 def twin(g: Group, **kw) -> Group:
@@ -127,8 +129,9 @@ GROUPS.append(twin(GROUPS[-1]))
 STORY = GROUPS[-2]
 
 
-def lever(name: str, **optim) -> Group:
+def lever(name: str, model: dict | None = None, **optim) -> Group:
     return dataclasses.replace(STORY, name=f"story-{name}", optim=tuple(optim.items()),
+                               model=tuple((model or {}).items()),
                                compare_with=STORY.name + "-qk")
 
 
@@ -138,6 +141,7 @@ LEVERS = [
     lever("skip-step", skip_step=True),
     lever("update-clip-norm", update_clip="norm"),
     lever("qk-clip-100", qk_clip=100.0),
+    lever("softcap-50", model={"attn_softcap": 50.0}),  # Gemma 2's cap
     lever("zclip", grad_clip="zclip"),
     lever("update-clip-rms", update_clip="rms"),
     lever("muon", optimizer="muon"),

@@ -201,19 +201,23 @@ def loss_logit_max_grads(model_cfg, mesh_shape, seq=40):
             [np.asarray(g) for g in jax.tree.leaves(grads)])
 
 
-@pytest.mark.parametrize("form,mesh_shape,qk_norm,block,seq", [
-    ("blockwise", (1, 1), True, 16, 40),
+@pytest.mark.parametrize("form,mesh_shape,qk_norm,block,seq,softcap", [
+    ("blockwise", (1, 1), True, 16, 40, 0.0),
+    ("blockwise", (1, 1), False, 16, 40, 4.0),  # soft-capped, through the flash backward
     *[pytest.param(*case, marks=pytest.mark.slow) for case in [  # more forms, meshes, lengths
-        ("grouped", (1, 1), True, 16, 40), ("grouped", (2, 2), False, 16, 40),
-        ("blockwise", (2, 2), False, 16, 40), ("blockwise", (2, 2), True, 64, 40),
-        ("blockwise", (1, 1), False, 128, 100)]]])
-def test_every_attention_form_equals_dense_in_loss_logit_max_and_gradients(form, mesh_shape,
-                                                                           qk_norm, block, seq):
+        ("grouped", (1, 1), True, 16, 40, 0.0), ("grouped", (2, 2), False, 16, 40, 0.0),
+        ("blockwise", (2, 2), False, 16, 40, 0.0), ("blockwise", (2, 2), True, 64, 40, 0.0),
+        ("blockwise", (1, 1), False, 128, 100, 0.0), ("grouped", (1, 1), False, 16, 40, 4.0),
+        ("blockwise", (1, 1), False, 128, 100, 4.0)]]])
+def test_every_attention_form_equals_dense_in_loss_logit_max_and_gradients(
+        form, mesh_shape, qk_norm, block, seq, softcap):
     """Grouped-query attention (4 query heads on 2 KV heads), T = 40 in blocks of 16 (the last
     one padded) or in one block of 64 (blockwise's loop-free path), or T = 100 in one block of
     128 (queries in four chunks, the last partial); init_std 0.2 so that the logits are large
-    without QK-Norm (max ~10); on one device and on a 2x2 mesh (batch and heads split)."""
-    cfg = dataclasses.replace(TINY.model, qk_norm=qk_norm, init_std=0.2, attention_block=16)
+    without QK-Norm (max ~10) and a soft-cap of 4 bends them; on one device and on a 2x2 mesh
+    (batch and heads split)."""
+    cfg = dataclasses.replace(TINY.model, qk_norm=qk_norm, init_std=0.2, attention_block=16,
+                              attn_softcap=softcap)
     ref = loss_logit_max_grads(dataclasses.replace(cfg, attention="dense"), mesh_shape, seq)
     got = loss_logit_max_grads(dataclasses.replace(cfg, attention=form, attention_block=block),
                                mesh_shape, seq)
@@ -222,6 +226,25 @@ def test_every_attention_form_equals_dense_in_loss_logit_max_and_gradients(form,
     assert len(got[2]) == len(ref[2])
     for g, r in zip(got[2], ref[2]):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5 * np.abs(r).max())
+
+
+def test_the_soft_cap_is_c_tanh_s_over_c_before_the_softmax():
+    """The dense reference with a soft-cap against a NumPy restatement (one KV head per query
+    head): softmax(c tanh(q k^T / (sqrt(H) c)), causal) v; the statistic stays uncapped."""
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.normal(size=(1, 6, 2, 8)) * 4 for _ in range(3))
+    out, top = A.dense(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), softcap=2.0)
+    s = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(8)
+    capped = np.where(np.tril(np.ones((6, 6), bool)), 2.0 * np.tanh(s / 2.0), -np.inf)
+    p = np.exp(capped - capped.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(out, np.einsum("bhts,bshd->bthd", p, v), rtol=1e-5, atol=1e-5)
+    assert float(top) == pytest.approx(np.abs(s[:, :, np.tril(np.ones((6, 6), bool))]).max(),
+                                       rel=1e-5)
+    assert float(top) > 2.0  # the statistic is the uncapped logit
+    with pytest.raises(ValueError, match="cudnn has no soft-cap"):
+        dataclasses.replace(TINY.model, attention="cudnn", dtype="bfloat16", attn_softcap=50.0)
+    assert A.resolve("auto", "bfloat16", "gpu", softcap=50.0) == "blockwise"
 
 
 def test_the_cudnn_form_makes_the_library_call_with_the_same_layout_and_statistic():
@@ -1324,6 +1347,8 @@ BAD_INPUTS = [
     ("train", ["--optim.grad-clip", "zlip"], "--optim.grad-clip"),
     ("train", ["--optim.qk-clip", "-1"], "optim.qk_clip must be >= 0 and finite"),
     ("train", ["--optim.qk-clip", "100", "--model.qk-norm"], "use one or the other"),
+    ("train", ["--model.attn-softcap", "-1"], "model.attn_softcap must be >= 0"),
+    ("export", ["{capped}", "--to", "{run}"], "soft-caps its attention scores"),
     ("train", ["--guard", "--guard.escalate", "maybe"], "--guard.escalate must be one of"),
     ("train", ["--guard", "--guard.relapses", "0"], "--guard.relapses"),
     ("train", ["--guard.too-far", "later"], "--guard.too-far must be stop or go-on"),
@@ -1394,6 +1419,10 @@ def bad_files(tmp_path_factory, straight_run):
         (d / name).mkdir()
         (d / name / ("metrics.jsonl" if "metrics" in name else "config.json")).write_text(text)
     E.export(E.ExportArgs(run=straight_run[0].run_dir, to=str(d / "hf_llama")))
+    shutil.copytree(straight_run[0].run_dir, d / "capped")  # as if trained soft-capped
+    capped = json.loads((d / "capped" / "config.json").read_text())
+    capped["model"]["attn_softcap"] = 4.0
+    (d / "capped" / "config.json").write_text(json.dumps(capped))
     from safetensors.numpy import load_file, save_file
     for name in ("hf_nan", "hf_truncated"):
         shutil.copytree(d / "hf_llama", d / name)
@@ -1425,7 +1454,7 @@ def bad_files(tmp_path_factory, straight_run):
             "hf_nan": d / "hf_nan", "hf_truncated": d / "hf_truncated",
             "negative": d / "negative.npy", "zero_bin": d / "zero.bin", "fifo": d / "fifo",
             "metrics_dir": d / "metrics_dir",
-            **{n: d / n for n in [*texts, "checkpoints_file"]}}
+            **{n: d / n for n in [*texts, "checkpoints_file", "capped"]}}
 
 
 @pytest.mark.parametrize("command,argv,message", BAD_INPUTS,

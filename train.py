@@ -197,7 +197,7 @@ def dry_run(cfg: TrainConfig) -> None:
     print(f"parameters          {n:,} ({n / 1e9:.2f}B)")
     print(f"FLOPs per token     {flops_per_token(cfg.model, cfg.data.seq_len):.3e} "
           "(6N + causal attention)")
-    form = resolve(cfg.model.attention, cfg.model.dtype)
+    form = resolve(cfg.model.attention, cfg.model.dtype, softcap=cfg.model.attn_softcap)
     print(f"attention           {form} ({cfg.model.attention} on {jax.default_backend()})")
     print(f"params + opt state  {total / 2**30:.2f} GiB total, {per_device / 2**30:.3f} GiB "
           f"per device on a {cfg.mesh.data}x{cfg.mesh.model} (data x model) mesh")
