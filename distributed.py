@@ -9,9 +9,12 @@ Parameters are FSDP-sharded over "data" and tensor-parallel over "model"; the ba
 over "data". Which parameter dimension goes on which axis is declared once, in model.py.
 """
 
+import atexit
 import dataclasses
 import os
 import socket
+import sys
+import threading
 import time
 
 import jax
@@ -84,8 +87,86 @@ def join(coordinator: str | None, n: int | None, pid: int | None, timeout: int) 
                                     f"--dist.timeout {timeout}s ({e.strerror or e}): is process "
                                     "0 running, and is the address right?") from None
                 time.sleep(0.5)
+    # JAX ends a join that times out with a C++ abort and its stack trace; this watchdog ends
+    # it first, in one line (JAX's own limit is set later than it).
+    watchdog = threading.Timer(timeout, give_up, (
+        f"error: process {pid if pid is not None else '?'}: not every one of the "
+        f"{n or '?'} processes joined within --dist.timeout {timeout}s: are they all started, "
+        "with the same --dist.coordinator and --dist.num-processes?",))
+    watchdog.daemon = True
+    watchdog.start()
     jax.distributed.initialize(coordinator, num_processes=n, process_id=pid,
-                               initialization_timeout=timeout)
+                               initialization_timeout=timeout + 60)
+    watchdog.cancel()
+    listener = threading.Thread(target=listen_for_stop, daemon=True)
+    _listening.set()
+    listener.start()
+    atexit.register(lambda: (_listening.clear(), listener.join(timeout=5)))  # before JAX's
+
+
+
+
+def give_up(line: str, code: int = 2) -> None:
+    """One line to stderr, then end the process at once (from any thread)."""
+    sys.stdout.flush()
+    print(line, file=sys.stderr, flush=True)
+    os._exit(code)
+
+
+# One process that must stop (its checkpoint write failed) tells the others through JAX's
+# coordination service, whose key-value store every process reaches: they stop within about a
+# second instead of waiting in the next collective for the heartbeat timeout (100 s) and a C++
+# abort. JAX exposes the store only as jax._src.distributed's client.
+STOP_KEY = "spikefix/stop"
+
+
+def _client():
+    from jax._src import distributed
+    return distributed.global_state.client
+
+
+_listening = threading.Event()
+
+
+def listen_for_stop() -> None:
+    """A thread per process: polls STOP_KEY every second and ends this process when another
+    one sets it; stops polling when the process exits (a thread still blocked in the client
+    at exit would abort it)."""
+    while _listening.is_set():
+        try:
+            message = _client().blocking_key_value_get(STOP_KEY, 1000)
+        except Exception:  # not set within the second (or the service has gone): poll again
+            continue
+        if not message.startswith(f"process {jax.process_index()}:"):
+            if jax.process_index() == 0:  # the service's host goes last: its exit would
+                time.sleep(3)  # abort a process still in its grace (a C++ trace)
+            give_up(f"error: {message}; process {jax.process_index()} stops too", code=1)
+        return
+
+
+def peer_stopped() -> str | None:
+    """The message of another process that told this run to stop, if one did (a collective
+    that failed because that process left is then no error of this process's own)."""
+    if jax.process_count() <= 1:
+        return None
+    try:
+        message = _client().blocking_key_value_get(STOP_KEY, 200)
+    except Exception:
+        return None
+    return None if message.startswith(f"process {jax.process_index()}:") else message
+
+
+def stop_peers(reason: str) -> None:
+    """Tell the other processes of a multi-process run to stop, and give them time to hear it
+    (they poll every second). Process 0 hosts the service and leaves last: it waits 2 s for
+    the others to go; another process leaves after 1 s, before process 0 does."""
+    if jax.process_count() <= 1:
+        return
+    try:
+        _client().key_value_set(STOP_KEY, f"process {jax.process_index()}: {reason}")
+        time.sleep(2.0 if jax.process_index() == 0 else 1.0)
+    except Exception:
+        pass
 
 
 def say(*args, **kwargs) -> None:

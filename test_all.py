@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 # Set before JAX starts, so that every subprocess a test starts inherits it too.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ.get(
@@ -908,10 +909,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_processes(flags: list[str], n: int = 2) -> list[subprocess.Popen]:
+def start_processes(flags: list[str], n: int = 2, env: dict | None = None
+                    ) -> list[subprocess.Popen]:
     """`n` train.py processes of one run on loopback, 2 CPU devices each."""
     port = free_port()
-    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "2"}
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "2", **(env or {})}
     return [subprocess.Popen([sys.executable, "-u", "train.py", *flags, "--dist.coordinator",
                               f"127.0.0.1:{port}", "--dist.num-processes", str(n),
                               "--dist.process-id", str(i)], cwd=HERE, env=env,
@@ -934,6 +936,53 @@ def preempt_one_of_two(flags: list[str], after_step: int) -> list[str]:
             p.kill()
     assert [p.returncode for p in procs] == [128 + 15] * 2, outs[0][-2000:] + outs[1][-2000:]
     return outs
+
+
+@pytest.mark.slow
+def test_a_checkpoint_failure_on_one_process_stops_the_other_within_seconds(tmp_path):
+    """Process 1's checkpoint write fails (a planted full disk, via sitecustomize): it says so
+    in one line and tells process 0, which stops in one line too, seconds later, instead of
+    waiting in the next collective for JAX's heartbeat timeout (100 s) and a C++ abort."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(HERE)!r})\nimport jax\nimport checkpoint\n"
+        "save = checkpoint.save_checkpoint\n"
+        "def failing(mngr, step, state, config):\n"
+        "    if step >= 4 and jax.process_index() == 1:\n"
+        "        raise OSError(28, 'No space left on device (planted)')\n"
+        "    return save(mngr, step, state, config)\n"
+        "checkpoint.save_checkpoint = failing\n")
+    run = tmp_path / "run"
+    procs = start_processes(["tiny", "--mesh.data", "4", "--steps", "100000", "--checkpoint-every",
+                             "2", "--run-dir", str(run)], env={"PYTHONPATH": str(hook)})
+    try:
+        procs[1].wait(timeout=240)
+        t = time.monotonic()
+        procs[0].wait(timeout=60)
+        waited = time.monotonic() - t
+        outs = [p.communicate()[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [1, 1], outs[0][-2000:] + outs[1][-2000:]
+    assert "writing a checkpoint to" in outs[1] and "No space left on device" in outs[1]
+    assert "error: process 1: its checkpoint write to" in outs[0] and "process 0 stops too" \
+        in outs[0] and "Check failure" not in outs[0]
+    assert waited < 20, waited  # it stops seconds after process 1 (~2 s here)
+    assert C.saved_steps(run)[-1] == 2  # the last good checkpoint is intact
+
+
+@pytest.mark.slow
+def test_a_peer_that_never_joins_ends_the_wait_in_one_line_within_the_timeout(tmp_path):
+    out = subprocess.run([sys.executable, "train.py", "tiny", "--dist.num-processes", "2",
+                          "--dist.process-id", "0", "--dist.coordinator",
+                          f"127.0.0.1:{free_port()}", "--dist.timeout", "3", "--run-dir",
+                          str(tmp_path / "r")], cwd=HERE, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-2000:]
+    assert "not every one of the 2 processes joined within --dist.timeout 3s" in out.stderr
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.slow

@@ -51,7 +51,16 @@ from checkpoint import (
 from cli import UserError, command, parse
 from config import PRESETS, TrainConfig, check_same_run, load_config
 from data import TokenData, token_unit
-from distributed import check_fits, make_mesh, process_rows, say, start_distributed
+from distributed import (
+    check_fits,
+    give_up,
+    make_mesh,
+    peer_stopped,
+    process_rows,
+    say,
+    start_distributed,
+    stop_peers,
+)
 from export import load_hf
 from model import count_params, decay_mask, flops_per_token, logical_to_spec, loss_fn
 from optim import lr_schedule, make_optimizer, opt_metrics
@@ -302,16 +311,20 @@ def checkpoint_failed(error: Exception, run_dir: pathlib.Path) -> None:
     """A checkpoint could not be written: one line naming the cause and the last good
     checkpoint, then exit at once (orbax's writer threads would otherwise keep the process
     alive for ever after the failure)."""
+    if peer := peer_stopped():  # another process left first, and this write failed with it
+        give_up(f"error: {peer}; process {jax.process_index()} stops too", code=1)
     cause = str(error).split(" [tensorstore_spec")[0].split("\n")[0]
-    try:
-        good = saved_steps(run_dir)
-    except Exception:
+    try:  # read from the folder: a checkpoint manager would wait for the other processes
+        good = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()
+                      if p.name.isdigit())
+    except OSError:
         good = []
     sys.stdout.flush()
     print(f"error: writing a checkpoint to {run_dir}/checkpoints failed ({type(error).__name__}: "
           f"...{cause[-160:]}); the last good checkpoint is "
           f"{f'step {good[-1]}' if good else 'none'}. Fix the cause (disk space?) and resume "
           "with the same command", file=sys.stderr, flush=True)
+    stop_peers(f"its checkpoint write to {run_dir} failed (see its output)")
     os._exit(1)
 
 
@@ -527,7 +540,12 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None) -> dict:
 def main(argv: list[str]) -> int:
     cfg = parse_config(argv)
     start_distributed(cfg.dist)
-    last = train(cfg)
+    try:
+        last = train(cfg)
+    except jax.errors.JaxRuntimeError:  # a collective cut off by a process that stopped
+        if peer := peer_stopped():
+            give_up(f"error: {peer}; process {jax.process_index()} stops too", code=1)
+        raise
     if last:
         say(f"done: step {last['step'] + 1}, held-out loss {last['eval_loss']:.4f} "
             f"nats/{token_unit(cfg.data.source)}, {last.get('avg_tokens_per_s', 0):.0f} "
