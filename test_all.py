@@ -1143,6 +1143,28 @@ def test_sigkill_anywhere_then_restart_is_bitwise_identical(tmp_path):
 
 
 @pytest.mark.slow
+def test_orbax_leftovers_after_a_failure_are_not_printed_but_other_unraisables_are():
+    """A damaged checkpoint's restore fails in one line; orbax's unawaited reads of the other
+    arrays then raised again at exit and were printed as tracebacks (3 runs of 12 before the
+    hook, 0 of 12 after)."""
+    import types
+
+    from cli import quiet_orbax_leftovers
+    scope: dict = {}
+    exec(compile("async def read(): pass", "/site-packages/orbax/checkpoint/x.py", "exec"), scope)
+    exec(compile("async def mine(): pass", "/work/mine.py", "exec"), scope)
+    printed = []
+    for coroutine, exc in ((scope["read"](), Exception("reading array index")),
+                           (None, RuntimeError("Event loop is closed")),
+                           (scope["mine"](), Exception("a bug of ours")),
+                           (None, ValueError("anything else"))):
+        quiet_orbax_leftovers(types.SimpleNamespace(object=coroutine, exc_value=exc),
+                              default=lambda u: printed.append(str(u.exc_value)))
+        if coroutine is not None:
+            coroutine.close()
+    assert printed == ["a bug of ours", "anything else"]
+
+
 @pytest.mark.parametrize("damage", ["truncate", "delete"])
 def test_damaged_checkpoint_names_the_step_and_falls_back_on_request(damage, straight_run,
                                                                      tmp_path):
