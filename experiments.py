@@ -59,9 +59,10 @@ class Experiment:
     panels: tuple[str, ...] = ("interventions",)  # the figures (PANELS) it is drawn in
     # How its runs start: "train" from scratch; "rescue": QK-Norm inserted by warmstart.py into
     # a checkpoint of `source` at `step` ("after-event": the first checkpoint after its first
-    # level shift); "replace": `source` rewound to its last checkpoint before its largest loss
-    # event and run on with the batches of the REPLACED steps before the event replaced (Marin:
-    # "we tried skipping the problematic step").
+    # level shift); "switch": `source` resumed from that checkpoint with `flags` added (a
+    # setting a resume may switch on, QK-Clip); "replace": `source` rewound to its last
+    # checkpoint before its largest loss event and run on with the batches of the REPLACED
+    # steps before the event replaced (Marin: "we tried skipping the problematic step").
     start: str = "train"
     source: str = ""
     step: int | str = RESCUE_STEP
@@ -84,6 +85,8 @@ EXPERIMENTS = [
                panels=("bad-spike",), start="replace", source="bad-spike"),
     Experiment("rescue", panels=("rescue",), start="rescue", source="baseline",
                step="after-event"),
+    Experiment("qk-clip-switched-on", ("--optim.qk-clip", "100"), panels=("rescue",),
+               start="switch", source="baseline", step="after-event"),
     # The guard (guard.py): rollback and data replacement only, then with escalation to QK-Norm
     Experiment("guard", ("--guard",), panels=("rescue",)),
     Experiment("guard-escalate", ("--guard", "--guard.escalate", "qk-norm"), panels=("rescue",)),
@@ -95,9 +98,10 @@ BY_NAME = {e.name: e for e in EXPERIMENTS}
 NAMES = list(BY_NAME)
 # The figures: name -> (file, title); each draws the rows that name it in `panels`.
 PANELS = {
-    "interventions": ("interventions.png", "Marin's interventions against the spiky baseline"),
-    "rescue": ("qk_norm_and_rescue.png", f"QK-Norm from scratch, and inserted at step "
-               f"{RESCUE_STEP} (dashed) into the baseline and into the skip-step run"),
+    "interventions": ("interventions.png", "Marin's interventions against the story baseline"),
+    "rescue": ("qk_norm_and_rescue.png", "after the baseline's first level shift: QK-Norm "
+               "inserted (warm start), QK-Clip switched on;\nthe guard (rollback, then QK-Norm "
+               "on relapse); QK-Norm from scratch"),
     "bad-spike": ("bad_spike.png", "the bad-spike preset: without and with QK-Norm, QK-Norm "
                   "inserted after the\nfirst level shift, the batches before the largest event "
                   "replaced"),
@@ -135,24 +139,36 @@ def command_for(name: str, seed: int) -> list[str] | None:
         span = f"{max(event - REPLACED, 0)}:{event}"
         return train_cmd(name, seed, source.preset, [*source.flags, "--data.replace-batches",
                                                      span])
-    step = e.step
-    if step == "after-event":  # the first checkpoint after the run's first level shift
-        shifts = find_shifts(read_metrics(src))
-        if not shifts:
-            return None
-        every = PRESETS[e.preset].checkpoint_every
-        step = (shifts[0].step // every + 1) * every
+    step = start_step(e, src)
+    if step is None:
+        return None
+    if e.start == "switch":
+        return [sys.executable, "train.py", "--resume", str(run_dir(name, seed)), *e.flags]
     return [sys.executable, "warmstart.py", "--from", str(src), "--to",
             str(run_dir(name, seed)), "--step", str(step), "--rewarmup-steps", str(REWARMUP)]
 
 
+def start_step(e: Experiment, src: pathlib.Path) -> int | None:
+    """The checkpoint of `src` a "rescue" or "switch" run starts from (None: no event)."""
+    if e.step != "after-event":
+        return int(e.step)
+    shifts = find_shifts(read_metrics(src))  # the first checkpoint after the first level shift
+    if not shifts:
+        return None
+    every = PRESETS[e.preset].checkpoint_every
+    return (shifts[0].step // every + 1) * every
+
+
 def rewind(name: str, seed: int) -> None:
-    """Start a "replace" run (name, seed) from a copy of its source: config.json, the last
-    checkpoint at or before the first replaced step, and the metrics before it. train.py then
-    resumes there (the replaced steps are a RESUMABLE setting); a start from scratch would
-    repeat the source's steps bit for bit."""
-    src, run = run_dir(BY_NAME[name].source, seed), run_dir(name, seed)
-    first = max(largest_event(src) - REPLACED, 0)
+    """Start a "replace" or "switch" run (name, seed) from a copy of its source: config.json,
+    the last checkpoint at or before the first replaced step (the switch's step), and the
+    metrics before it. train.py then resumes there (the replaced steps are a RESUMABLE
+    setting, QK-Clip a SWITCHABLE one); a start from scratch would repeat the source's steps
+    bit for bit."""
+    e = BY_NAME[name]
+    src, run = run_dir(e.source, seed), run_dir(name, seed)
+    first = (start_step(e, src) if e.start == "switch"
+             else max(largest_event(src) - REPLACED, 0))
     steps = [s for s in saved_steps(src) if s <= first]
     if not steps:
         return
@@ -191,7 +207,7 @@ def execute(name: str, seed: int) -> int:
     start = BY_NAME[name].start
     if start == "rescue" and run.exists():
         raise UserError(f"{run} holds an unfinished warm start: remove it and run again")
-    if start == "replace" and not run.exists():
+    if start in ("replace", "switch") and not run.exists():
         rewind(name, seed)
     RUNS.mkdir(parents=True, exist_ok=True)
     print(f"[{run.name}] python {' '.join(cmd[1:])}", flush=True)
@@ -282,7 +298,7 @@ def collect(seeds: list[int]) -> tuple[dict, dict]:
                 row["extra_steps"] = sum(e["extra_steps"] for e in acted)
                 row["escalated_at"] = next((e["rollback_to"] for e in acted
                                             if e.get("escalation")), None)
-            if BY_NAME[name].start == "rescue":
+            if BY_NAME[name].start in ("rescue", "switch"):
                 source = metrics[BY_NAME[name].source][s]
                 row["warm_start_step"] = int(m["step"][0])
                 row["recovered_after"] = recovery_after_warm_start(m, source, int(m["step"][0]))
@@ -334,7 +350,7 @@ def table(rows: dict, seeds: list[int]) -> str:
         base = BY_NAME[name].baseline
         vs = compare(r, rows[base]) if base in rows else ""
         extra = ""
-        if BY_NAME[name].start == "rescue":
+        if BY_NAME[name].start in ("rescue", "switch"):
             extra = (f"; warm start at step {per_seed(r, 'warm_start_step')}, train loss back at "
                      f"its pre-insertion level after {per_seed(r, 'recovered_after')} steps")
         if all("guard_actions" in x for x in r["seeds"].values()):
