@@ -496,28 +496,73 @@ def figures(metrics: dict, rows: dict, out: pathlib.Path) -> list[pathlib.Path]:
         axes[0][0].legend(fontsize=7)
         save(fig, "attn_logits_per_layer.png")
 
-    heat = [n for n in ("baseline", "bad-spike") if n in metrics
-            and "update_norm_per_layer" in metrics[n][min(metrics[n])]]
-    if heat:
-        fig, axes = plt.subplots(len(heat), 1, figsize=(9, 2.4 * len(heat)), squeeze=False)
-        for ax, name in zip(axes[:, 0], heat):  # the seed with the most level shifts
-            seed = max(sorted(metrics[name]), key=lambda s: len(find_shifts(metrics[name][s])))
-            m = metrics[name][seed]
-            u = m["update_norm_per_layer"]
-            rel = np.log2(np.where(u > 0, u, np.nan) / np.nanmedian(u, axis=0))
-            im = ax.imshow(rel.T, aspect="auto", cmap="RdBu_r", vmin=-2, vmax=2,
-                           interpolation="nearest", origin="lower",
-                           extent=(m["step"][0], m["step"][-1], -0.5, u.shape[1] - 0.5))
-            shifts = find_shifts(m)
-            for shift in shifts:
-                ax.axvline(shift.step, color="k", lw=0.8, ls="--")
-            ax.set_ylabel("layer")
-            ax.set_title(f"{name} (seed {seed}): per-layer update norm / its median (log2)"
-                         + ("; dashed: level shifts" if shifts else ""), fontsize=9)
-            fig.colorbar(im, ax=ax, pad=0.01)
-        axes[-1, 0].set_xlabel("step")
-        save(fig, "update_norm_heatmap.png")
+    events = mechanism(metrics.get("baseline", {}))
+    if events:  # one bar group per event: how far each layer's norms moved, at the event
+        keys = (("update", "update norm"), ("mu", "Adam first moment m"),
+                ("nu", "Adam second moment v"), ("logit", "max attn logit"))
+        fig, axes = plt.subplots(len(keys), 1, figsize=(9, 2.1 * len(keys)), sharex=True)
+        x = np.arange(len(events))
+        L = len(events[0]["update"])
+        for ax, (key, label) in zip(axes, keys):
+            for layer in range(L):
+                ax.bar(x + (layer - (L - 1) / 2) * 0.8 / L, [e[key][layer] for e in events],
+                       0.8 / L, color=colors[layer], label=f"layer {layer}")
+            ax.axhline(1, color="k", lw=0.6)
+            ax.set_yscale("log")
+            ax.set_ylabel(f"{label}\nx pre-event", fontsize=8)
+            ax.grid(alpha=0.3, axis="y")
+        axes[0].legend(fontsize=7, ncol=L)
+        axes[0].set_title("the baseline's loss events: each layer's norm at the event (max over "
+                          "its +-5 steps) over its mean 100-20 steps before", fontsize=9)
+        axes[-1].set_xticks(x, [f"s{e['seed']} {e['kind']}\n{e['step']}" for e in events],
+                            fontsize=7)
+        save(fig, "mechanism.png")
     return paths
+
+
+def mechanism(runs: dict[int, dict]) -> list[dict]:
+    """Per loss event (one-step spike or level shift) of each seed's run: the update-norm
+    spike's lead (report.py), and per layer how far the update norm, Adam's moments m and v
+    (norms read from the optimizer state) and the max attention logit moved: the max over the
+    event's +-5 steps over the mean of the window 100 to 20 steps before. `first_layer`: the
+    layer whose update norm first exceeded 1.5x that mean in the 20 steps up to the event."""
+    out = []
+    for seed, m in sorted(runs.items()):
+        if "adam_mu_norm_per_layer" not in m:
+            continue
+        events = [(s.step, "spike", s.update_lead) for s in find_spikes(m)] + \
+            [(s.step, "shift", None) for s in find_shifts(m)]
+        for step, kind, lead in sorted(events):
+            if step < 100 or step + 6 > len(m["step"]):
+                continue
+            pre, at = slice(step - 100, step - 20), slice(step - 5, step + 6)
+            ratio = {key: (m[name][at].max(0) / m[name][pre].mean(0)).round(2).tolist()
+                     for key, name in (("update", "update_norm_per_layer"),
+                                       ("mu", "adam_mu_norm_per_layer"),
+                                       ("nu", "adam_nu_norm_per_layer"),
+                                       ("logit", "attn_logit_max"))}
+            u = m["update_norm_per_layer"]
+            above = u[step - 20:step + 1] > 1.5 * u[pre].mean(0)
+            firsts = [int(np.argmax(above[:, i])) if above[:, i].any() else 99
+                      for i in range(u.shape[1])]
+            out.append({"seed": seed, "kind": kind, "step": step, "update_lead": lead,
+                        "first_layer": int(np.argmin(firsts)) if min(firsts) < 99 else None,
+                        **ratio})
+    return out
+
+
+def mechanism_table(events: list[dict]) -> str:
+    if not events:
+        return ""
+    lines = ["| seed | event | step | update-norm spike first | first layer over 1.5x | "
+             "update norm x | m x | v x | max logit x (per layer 0..) |", "|---" * 9 + "|"]
+    for e in events:
+        lead = "—" if e["update_lead"] is None else f"{e['update_lead']} steps"
+        lines.append(f"| {e['seed']} | {e['kind']} | {e['step']} | {lead} | "
+                     f"{'—' if e['first_layer'] is None else e['first_layer']} | "
+                     + " | ".join("/".join(f"{x:.1f}" for x in e[k])
+                                  for k in ("update", "mu", "nu", "logit")) + " |")
+    return "\n".join(lines)
 
 
 def update_readme(text: str, readme: pathlib.Path = RESULTS / "README.md") -> None:
@@ -536,10 +581,15 @@ def write_results(seeds: list[int]) -> None:
     RESULTS.mkdir(exist_ok=True)
     wall = [r["wall_s"] for row in rows.values() if "seeds" in row
             for r in row["seeds"].values() if r["wall_s"]]
-    out = {"machine": machine(), "seeds": seeds, "runs_wall_s_total": sum(wall), "rows": rows}
+    events = mechanism(metrics.get("baseline", {}))
+    out = {"machine": machine(), "seeds": seeds, "runs_wall_s_total": sum(wall), "rows": rows,
+           "baseline_events": events}
     (RESULTS / "results.json").write_text(strict_json(out, indent=1) + "\n")
     paths = figures(metrics, rows, RESULTS)
     text = table(rows, seeds)
+    if events:
+        text += ("\n\nThe baseline's loss events, per layer (0 = lowest): each norm at the event "
+                 "over its level before (results/mechanism.png).\n\n" + mechanism_table(events))
     print(text)
     update_readme(text)
     print(f"wrote {RESULTS}/results.json, {', '.join(map(str, paths))} and the table in "

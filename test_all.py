@@ -2438,6 +2438,26 @@ def test_a_slow_rise_is_a_level_shift_that_the_one_step_rule_misses(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # experiments.py
 
+def test_the_mechanism_of_an_event_is_read_per_layer_against_the_level_before():
+    import experiments as E
+    rng = np.random.default_rng(0)
+    n, L, event = 400, 3, 300
+    loss = 2.0 + 0.01 * rng.standard_normal(n)
+    loss[event:] += 0.5  # a level shift at 300
+    ones = np.ones((n, L))
+    upd, mu = ones.copy(), ones.copy()
+    upd[event - 3:, 1] = 2.0  # layer 1's update norm doubles 3 steps before the loss moves
+    mu[event:, 2] = 4.0  # layer 2's first moment x4 at the event
+    m = {"step": np.arange(n), "loss": loss, "update_norm_per_layer": upd,
+         "adam_mu_norm_per_layer": mu, "adam_nu_norm_per_layer": ones,
+         "attn_logit_max": ones}
+    (e,) = [x for x in E.mechanism({7: m}) if x["kind"] == "shift"]
+    shift = R.find_shifts(m)[0].step  # 304: the smoothed loss is 0.1 up 4 steps after the jump
+    assert (e["seed"], e["step"], e["first_layer"]) == (7, shift, 1)
+    assert e["update"] == [1.0, 2.0, 1.0] and e["mu"] == [1.0, 1.0, 4.0] and e["nu"] == [1.0] * 3
+    assert f"| 7 | shift | {shift} |" in E.mechanism_table([e])
+
+
 def test_lr_sensitivity_recovery_and_the_spread_rule():
     import experiments as E
     finals = {"1e-3": 2.5, "1e-2": 2.0, "3e-2": 2.2, "1e-1": 6.0, "3e-1": np.nan}
