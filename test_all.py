@@ -1948,6 +1948,32 @@ def warm_started(straight_run, tmp_path_factory):
     return src_cfg, cfg, before
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("b2", [0.95, 0.999])
+def test_the_new_scales_first_update_is_adams_with_zero_moments_under_the_carried_count(
+        straight_run, b2):
+    """The warm start's new q/k scales start with zero moments under the carried Adam count t,
+    so their first update is (1 - b1) / (1 - b1^t) / sqrt((1 - b2) / (1 - b2^t)) x lr per
+    element: at a late step (t -> inf) 0.45 lr at beta2 0.95, 3.2 lr at 0.999, instead of
+    fresh Adam's 1 lr. Measured on what the step applies, at t = 7."""
+    src, _ = straight_run
+    cfg = dataclasses.replace(src, model=dataclasses.replace(src.model, qk_norm=True),
+                              optim=dataclasses.replace(src.optim, b2=b2))
+    state = restore_final(src, 6)
+    mesh = mesh_of(1, 1)
+    with jax.set_mesh(mesh):
+        state = T.insert_qk_norm(cfg, state, mesh)
+        tokens = D.TokenData(cfg.data).batch(6)
+        new, _ = T.make_train_step(cfg, T.make_tx(cfg))(state, jnp.asarray(tokens))
+    lr = float(O.lr_schedule(cfg.optim, cfg.steps)(6))
+    b1, t = cfg.optim.b1, 7
+    want = (1 - b1) / (1 - b1 ** t) / np.sqrt((1 - b2) / (1 - b2 ** t))
+    for name in ("q_norm", "k_norm"):
+        step = np.abs(np.asarray(new["params"]["layers"][name]) - 1.0) / lr
+        # m / (sqrt(v) + eps): `want` where |g| >> eps, less on the smallest gradients
+        assert step.max() == pytest.approx(want, rel=1e-3) and np.all(step <= want * 1.0001)
+
+
 def test_warmstart_carries_every_leaf_and_adds_only_the_norm_scales(warm_started):
     src_cfg, cfg, _ = warm_started
     assert cfg.model.qk_norm and cfg.optim.rewarmup_start == 3 and cfg.steps == 12

@@ -14,6 +14,15 @@ the checkpoint's step, and any train.py flag given after these (`--steps`, `--op
 same step holding the converted state; training then continues there exactly as a plain resume
 would; after a kill, the same warmstart.py command resumes it. The source run directory is
 only read.
+
+The new scales start with zero moments under the carried Adam count t, so Adam's bias
+correction (1 - beta^t, ~1 late in a run) does not lift them: their first update is
+(1 - b1) / sqrt(1 - b2) x lr per element, 0.45 lr at beta2 0.95 and 3.2 lr at 0.999, where a
+fresh Adam takes 1 lr (a test measures it on the applied step). After k steps the ratio is
+(1 - b1^k) / sqrt(1 - b2^k): at beta2 0.95, about 1 from the 10th step on, so the scales
+under-step briefly, inside the re-warmup that starts at 0.1 lr anyway; the story's rescue
+(beta2 0.95) is run so, and no correction is applied. At beta2 0.999 they would over-step for
+hundreds of steps (3.2 lr, then ~1/sqrt(1 - 0.999^k)); not measured on a rescue here.
 """
 
 import dataclasses
