@@ -5,6 +5,7 @@ with its outcome, goes to results/search.json.
     python search.py --list              # the groups and whether each is done
     python search.py --summary           # the table of outcomes (no training)
     python search.py --markdown          # the README's table of the search
+    python search.py --levers            # the levers on the story regime (README table)
     python search.py --plot              # results/search.png
 
 A *group* is one compiled train step over several *members* (learning rates x seeds) stacked
@@ -339,6 +340,92 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def lever_rows(record: dict) -> list[dict]:
+    """The story baseline, its QK-Norm twin and each lever run so far: per seed the one-step
+    spikes and level shifts after the baseline's S1 of that seed, the held-out loss at the end,
+    the skipped steps; and the held-out mean and sd over seeds."""
+    groups = record["groups"]
+    base = {m["seed"]: m for m in groups.get(STORY.name, {}).get("members", [])}
+    twin_ = {m["seed"]: m for m in groups.get(STORY.name + "-qk", {}).get("members", [])}
+    s1 = {s: first_match(base[s]["eval_loss"], twin_[s]["eval_loss"], base[s]["eval_step"])
+          for s in base if s in twin_}
+    rows = []
+    for name in [STORY.name, STORY.name + "-qk", *(g.name for g in LEVERS)]:
+        if name not in groups:
+            continue
+        members = sorted(groups[name]["members"], key=lambda m: m["seed"])
+        after = [s1.get(m["seed"]) or 0 for m in members]
+        evals = np.array([m["eval_loss"][-1] for m in members])
+        rows.append({"group": name, "seeds": [m["seed"] for m in members], "s1": after,
+                     "spikes": [sum(x >= a for x in m["spike_steps"])
+                                for m, a in zip(members, after)],
+                     "shifts": [sum(x >= a for x in m["shift_steps"])
+                                for m, a in zip(members, after)],
+                     "skipped": [m.get("skipped_steps", 0) for m in members],
+                     "eval": evals.tolist(), "eval_mean": float(evals.mean()),
+                     "eval_sd": float(evals.std(ddof=1)) if len(evals) > 1 else 0.0,
+                     "max_logit": [m["max_attn_logit"] for m in members]})
+    return rows
+
+
+def levers_markdown(record: dict) -> str:
+    rows = lever_rows(record)
+    if not rows:
+        return "no lever run yet"
+    base = rows[0]
+    lines = ["| run (3 seeds, from scratch) | spikes after S1 | level shifts after S1 | "
+             "held-out (nats/byte) | vs baseline | max attn logit | skipped steps |",
+             "|---" * 7 + "|"]
+    for r in rows:
+        d = r["eval_mean"] - base["eval_mean"]
+        vs = ("—" if r is base else f"{d:+.3f}" + (" (within the spread)" if abs(d) <=
+                                                     r["eval_sd"] + base["eval_sd"] else ""))
+        name = {STORY.name: "baseline", STORY.name + "-qk": "QK-Norm"}.get(
+            r["group"], r["group"].removeprefix("story-"))
+        lines.append(f"| {name} | {', '.join(map(str, r['spikes']))} | "
+                     f"{', '.join(map(str, r['shifts']))} | {r['eval_mean']:.3f} ± "
+                     f"{r['eval_sd']:.3f} | {vs} | {min(r['max_logit']):,.0f}–"
+                     f"{max(r['max_logit']):,.0f} | {', '.join(map(str, r['skipped']))} |")
+    return "\n".join(lines)
+
+
+def plot_levers(record: dict, out: pathlib.Path) -> pathlib.Path:
+    """results/levers.png: per lever, each seed's train loss (EMA 20) beside the baseline's
+    (grey) and QK-Norm's (dashed); level shifts as crosses."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    done = [g.name for g in LEVERS if g.name in record["groups"]]
+    cols = 3
+    fig, axes = plt.subplots(-(-len(done) // cols), cols, figsize=(12, 2.8 * -(-len(done) // cols)),
+                             squeeze=False, sharex=True, sharey=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, name in zip(axes.flat, done):
+        for group, style, color in ((STORY.name, "-", "0.6"), (STORY.name + "-qk", "--", "0.3")):
+            for y in np.load(CURVES / f"{group}.npz")["loss"]:
+                ax.plot(ema(y.astype(np.float64)), style, color=color, lw=0.7)
+        curves = np.load(CURVES / f"{name}.npz")["loss"]
+        for i, m in enumerate(record["groups"][name]["members"]):
+            y = ema(curves[i].astype(np.float64))
+            c = colors[m["seed"] % len(colors)]
+            ax.plot(y, color=c, lw=1.0, label=f"seed {m['seed']}")
+            ax.plot(m["shift_steps"], y[m["shift_steps"]], "x", color=c, ms=7)
+        ax.set_title(name.removeprefix("story-"), fontsize=9)
+        ax.set_ylim(1.4, 2.8)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(done):]:
+        ax.axis("off")
+    axes[0, 0].legend(fontsize=7)
+    fig.suptitle("each lever from scratch on the story regime (colour, one line per seed; "
+                 "crosses: level shifts)\nagainst the baseline (grey) and QK-Norm (dashed): "
+                 "train loss, EMA 20, nats/byte", fontsize=10)
+    fig.tight_layout()
+    path = out / "levers.png"
+    fig.savefig(path, dpi=75)
+    plt.close(fig)
+    return path
+
+
 def plot(record: dict, out: pathlib.Path) -> pathlib.Path:
     """results/search.png: for each group with a QK-Norm twin, one panel per LR the two share:
     each seed's train loss (EMA, span 20) without QK-Norm (solid) and with it (dashed), the
@@ -424,8 +511,13 @@ def main(argv: list[str]) -> int:
     if "--markdown" in argv:
         print(markdown(rows))
         return 0
+    if "--levers" in argv:
+        print(levers_markdown(record))
+        return 0
     if "--plot" in argv:
         print(f"wrote {plot(record, OUT.parent)}")
+        if any(g.name in record["groups"] for g in LEVERS):
+            print(f"wrote {plot_levers(record, OUT.parent)}")
         return 0
     run(groups)
     return 0

@@ -2523,6 +2523,29 @@ def test_the_search_judges_s1_and_the_spikes_after_it_by_the_fixed_rules():
     assert SE.story_found(SE.judge(rows)) == []
 
 
+def test_the_levers_count_events_after_the_baselines_s1_of_each_seed():
+    import search as SE
+
+    def member(seed, evals, spikes, shifts=()):
+        return {"seed": seed, "eval_step": [250, 500, 750], "eval_loss": evals,
+                "spike_steps": spikes, "shift_steps": list(shifts), "max_attn_logit": 9.0}
+    lever = SE.LEVERS[1].name
+    record = {"groups": {
+        SE.STORY.name: {"members": [member(0, [2.0, 1.8, 1.9], [100, 600], [700]),
+                                    member(1, [2.0, 1.9, 2.0], [600, 700])]},
+        SE.STORY.name + "-qk": {"members": [member(0, [2.0, 1.78, 1.6], []),
+                                            member(1, [2.0, 1.7, 1.6], [600])]},
+        lever: {"members": [member(0, [2.0, 1.8, 1.7], [100, 550]),
+                            member(1, [2.0, 1.8, 1.7], [200])]}}}
+    rows = SE.lever_rows(record)
+    # S1: the baseline's last eval within 0.05 of QK-Norm's, per seed (500 and 250); every
+    # row counts its events from the baseline's S1 of that seed
+    assert [r["s1"] for r in rows] == [[500, 250]] * 3
+    assert [(r["spikes"], r["shifts"]) for r in rows] == [([1, 2], [1, 0]), ([0, 1], [0, 0]),
+                                                         ([1, 0], [0, 0])]
+    assert "| clip-0.2 | 1, 0 | 0, 0 | 1.700 ± 0.000 |" in SE.levers_markdown(record)
+
+
 @pytest.mark.slow
 def test_a_search_member_is_the_train_py_run_of_its_lr_and_seed(tmp_path):
     """search.py trains several LRs and seeds in one vmapped step, each LR applied outside the
