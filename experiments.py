@@ -565,8 +565,10 @@ def mechanism_table(events: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def update_readme(text: str, readme: pathlib.Path = RESULTS / "README.md") -> None:
-    start, end = "<!-- results: written by experiments.py -->", "<!-- /results -->"
+def update_readme(text: str, readme: pathlib.Path = RESULTS / "README.md",
+                  part: str = "results", writer: str = "experiments.py") -> None:
+    """Replace the text between `part`'s markers in results/README.md."""
+    start, end = f"<!-- {part}: written by {writer} -->", f"<!-- /{part} -->"
     body = readme.read_text()
     if start not in body or end not in body:
         raise UserError(f"{readme} lacks the {start} ... {end} markers")

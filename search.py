@@ -6,7 +6,7 @@ with its outcome, goes to results/search.json.
     python search.py --summary           # the table of outcomes (no training)
     python search.py --markdown          # the README's table of the search
     python search.py --levers            # the levers on the story regime (README table)
-    python search.py --plot              # results/search.png
+    python search.py --plot              # results/search.png, levers.png; results/README.md
 
 A *group* is one compiled train step over several *members* (learning rates x seeds) stacked
 with `jax.vmap`, stepped `chunk` steps at a time inside one `lax.scan`: one dispatch and one
@@ -35,7 +35,7 @@ import optax
 from cli import UserError, command
 from config import PRESETS
 from data import TokenData
-from experiments import ema
+from experiments import ema, update_readme
 from model import decay_mask, init_params, loss_fn
 from optim import make_optimizer, opt_metrics
 from report import find_shifts, find_spikes
@@ -514,10 +514,13 @@ def main(argv: list[str]) -> int:
     if "--levers" in argv:
         print(levers_markdown(record))
         return 0
-    if "--plot" in argv:
+    if "--plot" in argv:  # the figures, and both tables into results/README.md
         print(f"wrote {plot(record, OUT.parent)}")
         if any(g.name in record["groups"] for g in LEVERS):
             print(f"wrote {plot_levers(record, OUT.parent)}")
+        update_readme(levers_markdown(record), part="levers", writer="search.py")
+        update_readme(markdown(rows), part="search", writer="search.py")
+        print(f"wrote the levers' and the search's tables in {OUT.parent}/README.md")
         return 0
     run(groups)
     return 0
