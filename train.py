@@ -391,7 +391,8 @@ def losses_before(run_dir: pathlib.Path, start: int) -> dict[int, float]:
         m = read_metrics(run_dir)
         keep = (m["step"] < start) & (m["step"] >= start - guard.SPAN)
         n = int(keep.sum())
-        steps_losses[:, :n] = m["step"][keep], m["loss"][keep]
+        loss = np.where(np.isfinite(m["grad_norm"]), m["loss"], np.nan)  # as the loop sees it
+        steps_losses[:, :n] = m["step"][keep], loss[keep]
     if jax.process_count() > 1:
         steps_losses = multihost_utils.broadcast_one_to_all(steps_losses)
     return {int(s): float(x) for s, x in steps_losses.T if s >= 0}
