@@ -252,7 +252,9 @@ class TokenData:
     def batch(self, step: int, rows: slice = slice(None)) -> np.ndarray:
         """int32 [B, T+1] for `step`. `rows` picks this process's share of the global batch:
         every process draws the same offsets and builds only its own rows."""
-        stream = 1 if any(step in r for r in self.replaced) else 0  # replaced: another stream
+        # a replaced step draws from another stream, one more for each window that holds it
+        # (the guard replaces a window again after a relapse: new batches each time)
+        stream = sum(step in r for r in self.replaced)
         rng = np.random.default_rng([self.cfg.seed, step, stream])
         starts = rng.integers(0, self.train.size - self.row_len + 1, size=self.cfg.batch_size)
         return self._rows(self.train, starts, rows)

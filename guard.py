@@ -128,12 +128,14 @@ class Watch:
         return None
 
     @classmethod
-    def replay(cls, cfg: GuardConfig, seen: dict[int, float], before: int) -> "Watch":
+    def replay(cls, cfg: GuardConfig, seen: dict[int, float], before: int,
+               since: int = 0) -> "Watch":
         """The watch as the loop has it at step `before`: the SPAN losses before it replayed,
-        in step order (the same after an in-process rollback and after a resume)."""
+        in step order (the same after an in-process rollback and after a resume), none from
+        before `since` (an escalation: the model changed there, and its history restarts)."""
         w = cls(cfg.spikes, cfg.shifts)
         for s in sorted(seen):
-            if before - SPAN <= s < before:
+            if max(before - SPAN, since) <= s < before:
                 w.observe(s, seen[s])
         return w
 
@@ -175,6 +177,12 @@ def effective_config(cfg, events: list[dict], restored_at: int | None = None):
     return dataclasses.replace(cfg, model=model, optim=optim, data=data)
 
 
+def escalation_step(events: list[dict]) -> int:
+    """The step the run escalated at (0 if it has not): it never rolls back past it, and its
+    watch forgets the losses before it (the insertion's one-time bump is no relapse)."""
+    return max((e["rollback_to"] for e in acted(events) if e.get("escalation")), default=0)
+
+
 def pending_insertion(events: list[dict], restored_at: int) -> bool:
     """Whether the checkpoint at `restored_at` predates an escalation to QK-Norm at its own
     step (the insertion is then repeated on it)."""
@@ -187,14 +195,16 @@ def plan(cfg: GuardConfig, trigger: Trigger, kept: list[int], events: list[dict]
     that becomes the event's record ("action": "rollback", "escalate", "stop" or "go-on")."""
     e = {"rule": trigger.rule, "event_step": trigger.event, "trigger_step": trigger.step,
          "loss": None if not math.isfinite(trigger.loss) else trigger.loss}
+    floor = escalation_step(events)
     events = acted(events)
     escalated = any(x.get("escalation") for x in events)
     if len(events) >= cfg.max_actions:
         return e | {"action": "stop", "why": f"{cfg.max_actions} rollbacks already"}
-    before = [s for s in kept if s <= trigger.event - cfg.margin]
+    before = [s for s in kept if floor <= s <= trigger.event - cfg.margin]
     if not before:
-        return e | {"action": cfg.too_far, "why": f"no kept checkpoint at or before step "
-                    f"{trigger.event - cfg.margin} (kept: {kept or 'none'})"}
+        return e | {"action": cfg.too_far, "why": f"no kept checkpoint in steps {floor}-"
+                    f"{trigger.event - cfg.margin} (kept: {kept or 'none'}"
+                    + (f"; the run escalated at step {floor}" if floor else "") + ")"}
     recent = [x for x in events if trigger.event - x["event_step"] < cfg.within]
     relapse = len(recent) + 1 >= cfg.relapses
     escalation = cfg.escalate if relapse and not escalated and cfg.escalate != "none" else None

@@ -703,6 +703,11 @@ def test_replace_batches_changes_only_those_steps_batches():
     for step in range(7):
         same = np.array_equal(plain.batch(step), skipping.batch(step))
         assert same == (step not in (3, 4)), step
+    # replaced again (the guard after a relapse): other batches again, not the first ones
+    twice = D.TokenData(dataclasses.replace(TINY.data, replace_batches="3:5,4:6"))
+    assert np.array_equal(twice.batch(3), skipping.batch(3))
+    assert not np.array_equal(twice.batch(4), skipping.batch(4))
+    assert not np.array_equal(twice.batch(4), plain.batch(4))
 
 
 def test_npy_bin_and_text_sources_read_the_same_tokens(tmp_path):
@@ -1803,6 +1808,11 @@ def test_the_guard_plan_rolls_back_past_the_margin_and_escalates_at_a_relapse():
     far = G.plan(cfg, G.Trigger("spike", 900, 900, 3.0), [100, 120, 380], [first])
     assert far["action"] == "rollback"  # 750 steps after the first: no relapse
     assert G.plan(cfg, G.Trigger("spike", 110, 110, 3.0), [100], [])["action"] == "stop"
+    # never back past the escalation: the model changed there
+    later = G.plan(cfg, G.Trigger("spike", 500, 500, 3.0), [100, 120, 380], [first, second])
+    assert (later["action"], later["rollback_to"]) == ("rollback", 380)
+    early = G.plan(cfg, G.Trigger("spike", 390, 390, 3.0), [100, 120, 380], [first, second])
+    assert early["action"] == "stop" and "escalated at step 380" in early["why"]
     eff = G.effective_config(tiny(), [first, second])
     assert eff.data.replace_batches == "120:151,380:451" and eff.model.qk_norm
     assert not G.effective_config(tiny(), [first, second], restored_at=380).model.qk_norm

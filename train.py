@@ -380,7 +380,7 @@ def train(cfg: TrainConfig, devices=None) -> dict:
         if jax.process_index() == 0:
             write_config(run_dir, dataclasses.asdict(user_cfg))
         mngr = mngr or checkpoint_manager(run_dir, cfg.keep_checkpoints)
-        return run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg)
+        return run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg, events)
 
 
 def losses_before(run_dir: pathlib.Path, start: int) -> dict[int, float]:
@@ -398,11 +398,11 @@ def losses_before(run_dir: pathlib.Path, start: int) -> dict[int, float]:
     return {int(s): float(x) for s, x in steps_losses.T if s >= 0}
 
 
-def guard_action(trigger, cfg, user_cfg, mngr, run_dir, mesh, log):
-    """The guard's answer to `trigger` (guard.py): None to go on as before, or (cfg, tx, state)
-    to go on with from the rollback point. Exits on a "stop"."""
+def guard_action(trigger, cfg, user_cfg, events: list, mngr, run_dir, mesh, log):
+    """The guard's answer to `trigger` (guard.py), appended to `events` (the run's record, as
+    every process holds it): None to go on as before, or (cfg, tx, state) to go on with from
+    the rollback point. Exits on a "stop"."""
     mngr.wait_until_finished()
-    events = guard.read_events(run_dir)
     e = guard.plan(cfg.guard, trigger, sorted(mngr.all_steps()), events)
     say(guard.describe(e))
     log.tracker.log({"guard/event_step": e["event_step"], "guard/rollback_to":
@@ -414,6 +414,7 @@ def guard_action(trigger, cfg, user_cfg, mngr, run_dir, mesh, log):
                 mngr.delete(s)
     if jax.process_index() == 0:
         guard.record(run_dir, e)
+    events.append(e)
     if e["action"] == "go-on":
         return None
     if e["action"] == "stop":
@@ -421,7 +422,7 @@ def guard_action(trigger, cfg, user_cfg, mngr, run_dir, mesh, log):
               f"checkpoint: step {mngr.latest_step()} in {run_dir}", file=sys.stderr)
         log.tracker.finish()
         sys.exit(1)
-    r, events = e["rollback_to"], events + [e]
+    r = e["rollback_to"]
     before = guard.effective_config(user_cfg, events, restored_at=r)
     state = restore_checkpoint(mngr, r, abstract_state(before.model, make_tx(before), mesh))
     new = guard.effective_config(user_cfg, events)
@@ -430,7 +431,7 @@ def guard_action(trigger, cfg, user_cfg, mngr, run_dir, mesh, log):
     return new, make_tx(new), state
 
 
-def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None) -> dict:
+def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None, events=()) -> dict:
     train_step, eval_step = make_train_step(cfg, tx), make_eval_step(cfg)
     batch_sharding = jax.NamedSharding(mesh, BATCH)
     rows = process_rows(batch_sharding, cfg.data.batch_size)
@@ -453,10 +454,10 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None) -> dict:
         except Exception as e:
             checkpoint_failed(e, run_dir)
 
-    watch, seen = None, {}  # the guard, and the losses it has seen by step
+    watch, seen, events = None, {}, list(events)  # the guard, the losses it saw, its record
     if cfg.guard.on:  # its view of the steps before `start` (after a resume)
         seen = losses_before(run_dir, start)
-        watch = guard.Watch.replay(cfg.guard, seen, start)
+        watch = guard.Watch.replay(cfg.guard, seen, start, guard.escalation_step(events))
 
     def record(step_metrics):  # log a step; with the guard on, the guard's answer to it
         last = log.record(*step_metrics)
@@ -465,8 +466,8 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None) -> dict:
         loss = last["loss"] if math.isfinite(last["grad_norm"]) else math.nan
         seen[last["step"]] = loss
         trigger = watch.observe(last["step"], loss)
-        return last, trigger and guard_action(trigger, cfg, user_cfg or cfg, mngr, run_dir, mesh,
-                                              log)
+        return last, trigger and guard_action(trigger, cfg, user_cfg or cfg, events, mngr,
+                                              run_dir, mesh, log)
 
     def go_back(acted):  # go on from the guard's rollback point with what it changed
         new_cfg, new_tx, new_state = acted
@@ -477,8 +478,8 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None) -> dict:
         at = int(new_state["step"])
         kept = {s: x for s, x in seen.items() if at - guard.SPAN <= s < at}
         log.nonfinite, log.shown = 0, (at - 1, time.perf_counter())
-        return new_cfg, new_tx, new_state, *steps, at, kept, guard.Watch.replay(new_cfg.guard,
-                                                                              kept, at)
+        return (new_cfg, new_tx, new_state, *steps, at, kept,
+                guard.Watch.replay(new_cfg.guard, kept, at, guard.escalation_step(events)))
 
     step = start
     while step < cfg.steps:
@@ -509,7 +510,7 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None) -> dict:
             if acted:
                 cfg, tx, state, train_step, eval_step, step, seen, watch = go_back(acted)
                 continue
-            watch = guard.Watch.replay(cfg.guard, seen, done)  # as a resume from here has it
+            watch = guard.Watch.replay(cfg.guard, seen, done, guard.escalation_step(events))
         if saving:
             checkpoint(done)
         if stopping:
