@@ -545,7 +545,8 @@ def mechanism(runs: dict[int, dict]) -> list[dict]:
             above = u[step - 20:step + 1] > 1.5 * u[pre].mean(0)
             firsts = [int(np.argmax(above[:, i])) if above[:, i].any() else 99
                       for i in range(u.shape[1])]
-            out.append({"seed": seed, "kind": kind, "step": step, "update_lead": lead,
+            out.append({"seed": seed, "kind": kind, "step": step,
+                        "update_lead": None if lead is None else int(lead),
                         "first_layer": int(np.argmin(firsts)) if min(firsts) < 99 else None,
                         **ratio})
     return out
