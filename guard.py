@@ -16,6 +16,11 @@ and a non-finite step. On a trigger the loop
    process (the warm start's carry: every leaf kept, the new scales at 1 with zero moments,
    the LR re-warmed over `escalate_rewarm_steps`), or switches QK-Clip on, or stops.
 
+It never rolls back past an escalation (the model changed there), and its watch forgets the
+losses before one (the insertion's one-time bump is no relapse). A window replaced again draws
+new batches (data.py: one more stream per window holding the step), so a relapse is not
+replayed as it was. After `max_actions` rollbacks it stops: the guard cannot help that run.
+
 Every action is one line of the run directory's events.jsonl, written before the run goes on
 from the rollback point: the replaced windows and escalations are part of the run from then on,
 and a resume re-applies them (`effective_config`). The order of an action makes a kill at any

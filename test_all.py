@@ -1813,6 +1813,10 @@ def test_the_guard_plan_rolls_back_past_the_margin_and_escalates_at_a_relapse():
     assert (later["action"], later["rollback_to"]) == ("rollback", 380)
     early = G.plan(cfg, G.Trigger("spike", 390, 390, 3.0), [100, 120, 380], [first, second])
     assert early["action"] == "stop" and "escalated at step 380" in early["why"]
+    clip = G.plan(dataclasses.replace(cfg, escalate="qk-clip"), G.Trigger("shift", 400, 450, 3.0),
+                  [100, 120, 380], [first])
+    eff = G.effective_config(tiny(), [first, clip])
+    assert (eff.optim.qk_clip, eff.optim.qk_clip_start, eff.model.qk_norm) == (100.0, 380, False)
     eff = G.effective_config(tiny(), [first, second])
     assert eff.data.replace_batches == "120:151,380:451" and eff.model.qk_norm
     assert not G.effective_config(tiny(), [first, second], restored_at=380).model.qk_norm
