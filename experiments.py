@@ -159,6 +159,14 @@ def start_step(e: Experiment, src: pathlib.Path) -> int | None:
     return (shifts[0].step // every + 1) * every
 
 
+def from_step(m: dict, step: int) -> dict:
+    """A run's metrics (read_metrics) from `step` on."""
+    keep, evals = m["step"] >= step, np.asarray(m["eval_step"]) >= step
+    return {k: v[keep] if isinstance(v, np.ndarray) and len(v) == len(keep) else v
+            for k, v in m.items()} | {"eval_step": np.asarray(m["eval_step"])[evals],
+                                      "eval_loss": np.asarray(m["eval_loss"])[evals]}
+
+
 def rewind(name: str, seed: int) -> None:
     """Start a "replace" or "switch" run (name, seed) from a copy of its source: config.json,
     the last checkpoint at or before the first replaced step (the switch's step), and the
@@ -238,7 +246,8 @@ def run_all(names: list[str], seeds: list[int], jobs: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Results: per run, then mean and spread over seeds
 
-STATS = ("eval_loss", "final_loss", "spikes", "shifts", "max_attn_logit", "skipped_steps")
+STATS = ("eval_loss", "final_loss", "spikes", "shifts", "max_attn_logit", "final_attn_logit",
+         "skipped_steps")
 
 
 def recovery_after_warm_start(rescue: dict, source: dict, start: int,
@@ -287,6 +296,10 @@ def collect(seeds: list[int]) -> tuple[dict, dict]:
         if not runs:
             continue
         metrics[name] = {s: read_metrics(r) for s, r in runs.items()}
+        e = BY_NAME[name]
+        if e.start == "switch":  # its own steps only: the run holds its source's before them
+            metrics[name] = {s: from_step(m, start_step(e, run_dir(e.source, s)))
+                             for s, m in metrics[name].items()}
         per_seed = {}
         for s, m in metrics[name].items():
             row = summary(m)
@@ -298,10 +311,11 @@ def collect(seeds: list[int]) -> tuple[dict, dict]:
                 row["extra_steps"] = sum(e["extra_steps"] for e in acted)
                 row["escalated_at"] = next((e["rollback_to"] for e in acted
                                             if e.get("escalation")), None)
-            if BY_NAME[name].start in ("rescue", "switch"):
-                source = metrics[BY_NAME[name].source][s]
-                row["warm_start_step"] = int(m["step"][0])
-                row["recovered_after"] = recovery_after_warm_start(m, source, int(m["step"][0]))
+            if e.start in ("rescue", "switch"):
+                source = metrics[e.source][s]
+                at = int(m["step"][0])
+                row["warm_start_step"] = at
+                row["recovered_after"] = recovery_after_warm_start(m, source, at)
             per_seed[s] = row
         rows[name] = {"seeds": per_seed,
                       **{k: spread([r[k] for r in per_seed.values()]) for k in STATS}}
@@ -342,7 +356,7 @@ def table(rows: dict, seeds: list[int]) -> str:
              "spikes, level shifts and skipped steps per seed; the largest attention logit as "
              "the range over seeds.", "",
              "| experiment | held-out loss (nats/byte) | vs its baseline | loss spikes | level "
-             "shifts | max attn logit | skipped | command (seed 0) |",
+             "shifts | max attn logit: over the run; at the end | skipped | command (seed 0) |",
              "|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         if name == "lr_sensitivity":
@@ -351,8 +365,9 @@ def table(rows: dict, seeds: list[int]) -> str:
         vs = compare(r, rows[base]) if base in rows else ""
         extra = ""
         if BY_NAME[name].start in ("rescue", "switch"):
-            extra = (f"; warm start at step {per_seed(r, 'warm_start_step')}, train loss back at "
-                     f"its pre-insertion level after {per_seed(r, 'recovered_after')} steps")
+            what = "warm start" if BY_NAME[name].start == "rescue" else "switched on"
+            extra = (f"; {what} at step {per_seed(r, 'warm_start_step')}, train loss back at "
+                     f"its level before after {per_seed(r, 'recovered_after')} steps")
         if all("guard_actions" in x for x in r["seeds"].values()):
             extra = (f"; guard rollbacks {per_seed(r, 'guard_actions')}, steps computed again "
                      f"{per_seed(r, 'extra_steps')}, escalated at {per_seed(r, 'escalated_at')}")
@@ -362,7 +377,8 @@ def table(rows: dict, seeds: list[int]) -> str:
         lines.append(
             f"| {name}{extra} | {r['eval_loss']['mean']:.3f} ± {r['eval_loss']['std']:.3f} | "
             f"{vs} | {per_seed(r, 'spikes')} | {per_seed(r, 'shifts')} | "
-            f"{logit(r['max_attn_logit']['min'])}–{logit(r['max_attn_logit']['max'])} | "
+            f"{logit(r['max_attn_logit']['min'])}–{logit(r['max_attn_logit']['max'])}; "
+            f"{logit(r['final_attn_logit']['min'])}–{logit(r['final_attn_logit']['max'])} | "
             f"{per_seed(r, 'skipped_steps')} | `python {' '.join(cmd[1:]) if cmd else '-'}` |")
     for rescue, source in [(e.name, e.source) for e in EXPERIMENTS
                            if e.start == "rescue" and e.step == RESCUE_STEP]:
