@@ -262,6 +262,25 @@ def recovery_after_warm_start(rescue: dict, source: dict, start: int,
     return int(back[0]) + window - 1 if len(back) else None
 
 
+def caught_up(m: dict, seed: int, start: int, tol: float = 0.05) -> int | None:
+    """The first held-out eval from `start` on at which the run is within `tol` nats of QK-Norm
+    from scratch at the same step (the story regime's QK-Norm twin in results/search.json,
+    same seed), or None if it never is."""
+    path = RESULTS / "search.json"
+    if not path.is_file():
+        return None
+    twin = json.loads(path.read_text())["groups"].get("d64-b2.95-warmup1000-4k-qk", {})
+    mine = [x for x in twin.get("members", []) if x["seed"] == seed]
+    if not mine:
+        return None
+    qk = dict(zip(mine[0]["eval_step"], mine[0]["eval_loss"]))  # after N steps: step N
+    for step, loss in zip(m["eval_step"], m["eval_loss"]):  # logged at step N - 1
+        done = int(step) + 1
+        if done > start and done in qk and loss <= qk[done] + tol:
+            return done
+    return None
+
+
 def lr_sensitivity(finals: dict[str, float], initial: float) -> float:
     """Wortsman et al. (2309.14322): mean over the LR grid of min(final loss, initial loss)
     minus the best final loss; a run that did not finish counts at the initial loss."""
@@ -311,6 +330,9 @@ def collect(seeds: list[int]) -> tuple[dict, dict]:
                 row["extra_steps"] = sum(e["extra_steps"] for e in acted)
                 row["escalated_at"] = next((e["rollback_to"] for e in acted
                                             if e.get("escalation")), None)
+                row["caught_up_at"] = row["escalated_at"] and caught_up(m, s, row["escalated_at"])
+            if e.start in ("rescue", "switch"):  # within 0.05 of QK-Norm from scratch from...
+                row["caught_up_at"] = caught_up(m, s, int(m["step"][0]))
             if e.start in ("rescue", "switch"):
                 source = metrics[e.source][s]
                 at = int(m["step"][0])
@@ -368,8 +390,11 @@ def table(rows: dict, seeds: list[int]) -> str:
             what = "warm start" if BY_NAME[name].start == "rescue" else "switched on"
             extra = (f"; {what} at step {per_seed(r, 'warm_start_step')}, train loss back at "
                      f"its level before after {per_seed(r, 'recovered_after')} steps")
+        if all("caught_up_at" in x for x in r["seeds"].values()):
+            extra += (f"; within 0.05 of QK-Norm from scratch from step "
+                      f"{per_seed(r, 'caught_up_at')}")
         if all("guard_actions" in x for x in r["seeds"].values()):
-            extra = (f"; guard rollbacks {per_seed(r, 'guard_actions')}, steps computed again "
+            extra += (f"; guard rollbacks {per_seed(r, 'guard_actions')}, steps computed again "
                      f"{per_seed(r, 'extra_steps')}, escalated at {per_seed(r, 'escalated_at')}")
         cmd = command_for(name, min(r["seeds"]))
         if len(r["seeds"]) < len(seeds):  # the others had no event to act on

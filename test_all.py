@@ -2490,6 +2490,19 @@ def test_the_mechanism_of_an_event_is_read_per_layer_against_the_level_before():
     assert f"| 7 | shift | {shift} |" in E.mechanism_table([e])
 
 
+def test_a_rescue_catches_up_at_the_first_eval_within_005_of_qk_norm_at_that_step(
+        tmp_path, monkeypatch):
+    import experiments as E
+    twin = {"seed": 1, "eval_step": [250, 500, 750], "eval_loss": [2.0, 1.8, 1.7]}
+    (tmp_path / "search.json").write_text(json.dumps(
+        {"groups": {"d64-b2.95-warmup1000-4k-qk": {"members": [twin]}}}))
+    monkeypatch.setattr(E, "RESULTS", tmp_path)
+    m = {"eval_step": np.array([249, 499, 749]), "eval_loss": np.array([1.9, 1.9, 1.74])}
+    assert E.caught_up(m, 1, 0) == 250  # train.py logs the eval after N steps at step N - 1
+    assert E.caught_up(m, 1, 250) == 750  # 1.9 > 1.8 + 0.05 at 500
+    assert E.caught_up(m, 2, 0) is None  # no twin of that seed
+
+
 def test_lr_sensitivity_recovery_and_the_spread_rule():
     import experiments as E
     finals = {"1e-3": 2.5, "1e-2": 2.0, "3e-2": 2.2, "1e-1": 6.0, "3e-1": np.nan}
