@@ -1861,6 +1861,8 @@ def test_the_guard_rolls_back_a_poisoned_batch_and_never_applies_it(tmp_path, mo
     assert (e["rule"], e["rollback_to"], e["replaced_until"]) == ("non-finite", 6, 8)
     m = R.read_metrics(tmp_path / "run")
     assert np.all(np.isfinite(m["loss"])) and not np.any(m["skipped"])  # on the new path
+    assert "1 guard action (2 steps computed again)\nguard: non-finite at step 7 (seen at 7): " \
+        "rolled back to step 6, batches 6-7 replaced" in R.event_report(m)  # the report says it
     # the same as a run told to replace those batches from the start: the poison never applied
     plain = tiny(tmp_path / "plain", steps=12, checkpoint_every=2, data__replace_batches="6:8")
     T.train(plain, devices=jax.devices()[:1])
