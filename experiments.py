@@ -325,19 +325,17 @@ def collect(seeds: list[int]) -> tuple[dict, dict]:
             done = pathlib.Path(f"{runs[s]}.done")
             row["wall_s"] = json.loads(done.read_text())["seconds"] if done.is_file() else None
             if "guard_events" in m:  # what the guard did, and what it cost
-                acted = [e for e in m["guard_events"] if "rollback_to" in e]
+                acted = [x for x in m["guard_events"] if "rollback_to" in x]
                 row["guard_actions"] = len(acted)
-                row["extra_steps"] = sum(e["extra_steps"] for e in acted)
-                row["escalated_at"] = next((e["rollback_to"] for e in acted
-                                            if e.get("escalation")), None)
+                row["extra_steps"] = sum(x["extra_steps"] for x in acted)
+                row["escalated_at"] = next((x["rollback_to"] for x in acted
+                                            if x.get("escalation")), None)
                 row["caught_up_at"] = row["escalated_at"] and caught_up(m, s, row["escalated_at"])
-            if e.start in ("rescue", "switch"):  # within 0.05 of QK-Norm from scratch from...
-                row["caught_up_at"] = caught_up(m, s, int(m["step"][0]))
             if e.start in ("rescue", "switch"):
-                source = metrics[e.source][s]
                 at = int(m["step"][0])
                 row["warm_start_step"] = at
-                row["recovered_after"] = recovery_after_warm_start(m, source, at)
+                row["recovered_after"] = recovery_after_warm_start(m, metrics[e.source][s], at)
+                row["caught_up_at"] = caught_up(m, s, at)  # within 0.05 of QK-Norm from scratch
             per_seed[s] = row
         rows[name] = {"seeds": per_seed,
                       **{k: spread([r[k] for r in per_seed.values()]) for k in STATS}}
