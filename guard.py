@@ -43,8 +43,7 @@ from collections import deque
 
 import numpy as np
 
-from data import parse_ranges  # noqa: F401  (train.py re-parses the windows with it)
-from report import ShiftRule, SpikeRule, acted, describe, read_events  # noqa: F401  (the record)
+from report import ShiftRule, SpikeRule, acted
 
 ESCALATIONS = ("none", "qk-norm", "qk-clip", "stop")
 SPIKE_RULE, SHIFT_RULE = SpikeRule(), ShiftRule()  # report.py's rules at their defaults

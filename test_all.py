@@ -1848,7 +1848,7 @@ def plant_guard_events(monkeypatch, poison=(), shift_from=None):
 
 def final_state(cfg):
     run = pathlib.Path(cfg.run_dir)
-    return restore_final(G.effective_config(cfg, G.read_events(run)), C.saved_steps(run)[-1])
+    return restore_final(G.effective_config(cfg, R.read_events(run)), C.saved_steps(run)[-1])
 
 
 @pytest.mark.slow
@@ -1857,7 +1857,7 @@ def test_the_guard_rolls_back_a_poisoned_batch_and_never_applies_it(tmp_path, mo
     cfg = tiny(tmp_path, steps=12, checkpoint_every=2, keep_checkpoints=10, guard__on=True,
                guard__margin=1)
     T.train(cfg, devices=jax.devices()[:1])
-    (e,) = G.read_events(tmp_path / "run")
+    (e,) = R.read_events(tmp_path / "run")
     assert (e["rule"], e["rollback_to"], e["replaced_until"]) == ("non-finite", 6, 8)
     m = R.read_metrics(tmp_path / "run")
     assert np.all(np.isfinite(m["loss"])) and not np.any(m["skipped"])  # on the new path
@@ -1905,7 +1905,7 @@ def test_the_guard_escalates_a_relapsing_shift_to_qk_norm_and_a_kill_changes_not
         assert killed == (kill_at is not None)
         # killed before its record, the rollback is decided again; after it, re-applied
         assert len(calls) == 2 + (kill_at is not None and kill_at[1] == "before")
-    events = G.read_events(tmp_path / "straight" / "run")
+    events = R.read_events(tmp_path / "straight" / "run")
     assert [e["action"] for e in events] == ["rollback", "escalate"]
     assert events[1]["escalation"] == "qk-norm" and events[1]["rollback_to"] == 120
     m = R.read_metrics(tmp_path / "straight" / "run")
@@ -1914,7 +1914,7 @@ def test_the_guard_escalates_a_relapsing_shift_to_qk_norm_and_a_kill_changes_not
     straight = final_state(runs["straight"])
     assert "q_norm" in straight["params"]["layers"]
     for name in ("kill-rollback", "kill-escalation"):
-        assert G.read_events(tmp_path / name / "run") == events
+        assert R.read_events(tmp_path / name / "run") == events
         assert_trees_equal(final_state(runs[name]), straight)
 
 

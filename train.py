@@ -50,7 +50,7 @@ from checkpoint import (
 )
 from cli import UserError, command, parse
 from config import PRESETS, TrainConfig, check_same_run, load_config
-from data import TokenData, token_unit
+from data import TokenData, parse_ranges, token_unit
 from distributed import (
     check_fits,
     give_up,
@@ -64,7 +64,7 @@ from distributed import (
 from export import load_hf
 from model import count_params, decay_mask, flops_per_token, logical_to_spec, loss_fn
 from optim import lr_schedule, make_optimizer, opt_metrics
-from report import event_report, plot, read_metrics
+from report import acted, describe, event_report, plot, read_events, read_metrics
 from tracking import Tracker
 
 
@@ -353,7 +353,7 @@ def train(cfg: TrainConfig, devices=None) -> dict:
                 f"step {taken} on (a switch the run's config records)")
     hf_params = load_hf(pathlib.Path(cfg.init_from_hf), cfg.model) if cfg.init_from_hf and \
         not steps else None
-    user_cfg, events = cfg, guard.read_events(run_dir) if steps else []
+    user_cfg, events = cfg, read_events(run_dir) if steps else []
     at = cfg.resume_step if cfg.resume_step is not None else (steps or [0])[-1]
     cfg = guard.effective_config(user_cfg, events, restored_at=at)  # the checkpoint's shape
     data = load_data(cfg)
@@ -376,7 +376,7 @@ def train(cfg: TrainConfig, devices=None) -> dict:
             if guard.pending_insertion(events, int(state["step"])):
                 state = insert_qk_norm(cfg, state, mesh)
             tx, data = make_tx(cfg), load_data(cfg)
-            say(f"guard: {len(guard.acted(events))} recorded action(s) re-applied")
+            say(f"guard: {len(acted(events))} recorded action(s) re-applied")
         if jax.process_index() == 0:
             write_config(run_dir, dataclasses.asdict(user_cfg))
         mngr = mngr or checkpoint_manager(run_dir, cfg.keep_checkpoints)
@@ -404,7 +404,7 @@ def guard_action(trigger, cfg, user_cfg, events: list, mngr, run_dir, mesh, log)
     the rollback point. Exits on a "stop"."""
     mngr.wait_until_finished()
     e = guard.plan(cfg.guard, trigger, sorted(mngr.all_steps()), events)
-    say(guard.describe(e))
+    say(describe(e))
     log.tracker.log({"guard/event_step": e["event_step"], "guard/rollback_to":
                      e.get("rollback_to", -1), "guard/escalated": int("escalation" in e)},
                     trigger.step)
@@ -471,7 +471,7 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None, events=()
 
     def go_back(acted):  # go on from the guard's rollback point with what it changed
         new_cfg, new_tx, new_state = acted
-        data.replaced = guard.parse_ranges(new_cfg.data.replace_batches, "replace_batches")
+        data.replaced = parse_ranges(new_cfg.data.replace_batches, "replace_batches")
         steps = (train_step, eval_step)
         if (new_cfg.model, new_cfg.optim) != (cfg.model, cfg.optim):  # a new step function
             steps = make_train_step(new_cfg, new_tx), make_eval_step(new_cfg)
