@@ -38,7 +38,7 @@ from data import TokenData
 from experiments import ema, update_readme
 from model import decay_mask, init_params, loss_fn
 from optim import make_optimizer, opt_metrics
-from report import find_shifts, find_spikes
+from report import find_shifts, find_spikes, spike_score
 from train import per_layer_metrics
 
 OUT = pathlib.Path("results/search.json")
@@ -364,8 +364,20 @@ def lever_rows(record: dict) -> list[dict]:
                      "skipped": [m.get("skipped_steps", 0) for m in members],
                      "eval": evals.tolist(), "eval_mean": float(evals.mean()),
                      "eval_sd": float(evals.std(ddof=1)) if len(evals) > 1 else 0.0,
-                     "max_logit": [m["max_attn_logit"] for m in members]})
+                     "max_logit": [m["max_attn_logit"] for m in members],
+                     "spike_score": spike_score_means(name)})
     return rows
+
+
+def spike_score_means(group: str) -> dict[str, float] | None:
+    """OLMo-core's spike score (6 sigma over the last 128 steps, report.py) of the loss and the
+    grad norm, as the mean over the group's members, from its curves; None without them."""
+    path = CURVES / f"{group}.npz"
+    if not path.is_file():
+        return None
+    curves = np.load(path)
+    return {key: float(np.mean([spike_score(x, 128, 6.0) for x in curves[key]]))
+            for key in ("loss", "grad_norm")}
 
 
 def levers_markdown(record: dict) -> str:
@@ -374,8 +386,8 @@ def levers_markdown(record: dict) -> str:
         return "no lever run yet"
     base = rows[0]
     lines = ["| run (3 seeds, from scratch) | spikes after S1 | level shifts after S1 | "
-             "held-out (nats/byte) | vs baseline | max attn logit | skipped steps |",
-             "|---" * 7 + "|"]
+             "held-out (nats/byte) | vs baseline | max attn logit | skipped steps | spike score "
+             "loss / grad norm (6σ/128) |", "|---" * 8 + "|"]
     for r in rows:
         d = r["eval_mean"] - base["eval_mean"]
         vs = ("—" if r is base else f"{d:+.3f}" + (" (within the spread)" if abs(d) <=
@@ -385,7 +397,9 @@ def levers_markdown(record: dict) -> str:
         lines.append(f"| {name} | {', '.join(map(str, r['spikes']))} | "
                      f"{', '.join(map(str, r['shifts']))} | {r['eval_mean']:.3f} ± "
                      f"{r['eval_sd']:.3f} | {vs} | {min(r['max_logit']):,.0f}–"
-                     f"{max(r['max_logit']):,.0f} | {', '.join(map(str, r['skipped']))} |")
+                     f"{max(r['max_logit']):,.0f} | {', '.join(map(str, r['skipped']))} | "
+                     + (f"{r['spike_score']['loss']:.2%} / {r['spike_score']['grad_norm']:.2%} |"
+                        if r["spike_score"] else "— |"))
     return "\n".join(lines)
 
 
