@@ -69,7 +69,7 @@ class Experiment:
 
 
 EXPERIMENTS = [
-    Experiment("baseline", baseline=None, panels=("interventions", "rescue")),
+    Experiment("baseline", baseline=None, panels=("rescue",)),
     Experiment("clip-0.2", ("--optim.max-grad-norm", "0.2")),
     Experiment("skip-step", ("--optim.skip-step",), panels=("interventions", "rescue")),
     Experiment("update-clip-norm", ("--optim.update-clip", "norm")),
