@@ -128,27 +128,16 @@ def _client():
 _listening = threading.Event()
 
 
-def _stop_message(wait_ms: int) -> str | None:
-    """STOP_KEY's value, or None if it is not set within `wait_ms` (or the service has gone)."""
-    try:
-        return _client().blocking_key_value_get(STOP_KEY, wait_ms)
-    except Exception:
-        return None
-
-
-def _own(message: str) -> bool:
-    return message.startswith(f"process {jax.process_index()}:")
-
-
 def listen_for_stop() -> None:
     """A thread per process: polls STOP_KEY every second and ends this process when another
     one sets it; stops polling when the process exits (a thread still blocked in the client
     at exit would abort it)."""
     while _listening.is_set():
-        message = _stop_message(1000)
-        if message is None:
+        try:
+            message = _client().blocking_key_value_get(STOP_KEY, 1000)
+        except Exception:  # not set within the second (or the service has gone): poll again
             continue
-        if not _own(message):
+        if not message.startswith(f"process {jax.process_index()}:"):
             if jax.process_index() == 0:  # the service's host goes last: its exit would
                 time.sleep(3)  # abort a process still in its grace (a C++ trace)
             give_up(f"error: {message}; process {jax.process_index()} stops too", code=1)
@@ -160,8 +149,11 @@ def peer_stopped() -> str | None:
     that failed because that process left is then no error of this process's own)."""
     if jax.process_count() <= 1:
         return None
-    message = _stop_message(200)
-    return message if message is not None and not _own(message) else None
+    try:
+        message = _client().blocking_key_value_get(STOP_KEY, 200)
+    except Exception:
+        return None
+    return None if message.startswith(f"process {jax.process_index()}:") else message
 
 
 def stop_peers(reason: str) -> None:
