@@ -90,6 +90,11 @@ EXPERIMENTS = [
     # The guard (guard.py): rollback and data replacement only, then with escalation to QK-Norm
     Experiment("guard", ("--guard",), panels=("rescue",)),
     Experiment("guard-escalate", ("--guard", "--guard.escalate", "qk-norm"), panels=("rescue",)),
+    # The 32B's configuration (clip 0.2, skip-step, update-norm clip), then QK-Norm inserted
+    Experiment("marin-32b", ("--optim.max-grad-norm", "0.2", "--optim.skip-step",
+                             "--optim.update-clip", "norm"), panels=("marin-32b",)),
+    Experiment("rescue-marin-32b", baseline="marin-32b", panels=("marin-32b",), start="rescue",
+               source="marin-32b", step="after-event"),
     Experiment("rescue-skip-step", panels=("rescue",), start="rescue", source="skip-step"),
     Experiment("bad-spike-rescue", preset=BAD, baseline="bad-spike", panels=("bad-spike",),
                start="rescue", source="bad-spike", step="after-event"),
@@ -102,6 +107,9 @@ PANELS = {
     "rescue": ("qk_norm_and_rescue.png", "after the baseline's first level shift: QK-Norm "
                "inserted (warm start), QK-Clip switched on;\nthe guard (rollback, then QK-Norm "
                "on relapse); QK-Norm from scratch"),
+    "marin-32b": ("marin_32b_and_rescue.png", "the 32B's configuration (clip 0.2, skip-step, "
+                  "update-norm clip) and QK-Norm\ninserted into it after its first level shift "
+                  "(its first spike past the warmup where it has none)"),
     "bad-spike": ("bad_spike.png", "the bad-spike preset: without and with QK-Norm, QK-Norm "
                   "inserted after the\nfirst level shift, the batches before the largest event "
                   "replaced"),
@@ -149,14 +157,16 @@ def command_for(name: str, seed: int) -> list[str] | None:
 
 
 def start_step(e: Experiment, src: pathlib.Path) -> int | None:
-    """The checkpoint of `src` a "rescue" or "switch" run starts from (None: no event)."""
+    """The checkpoint of `src` a "rescue" or "switch" run starts from: the first one after the
+    first level shift, or where the run has none, after its first spike past the warmup (None:
+    no event)."""
     if e.step != "after-event":
         return int(e.step)
-    shifts = find_shifts(read_metrics(src))  # the first checkpoint after the first level shift
-    if not shifts:
+    m, cfg = read_metrics(src), PRESETS[e.preset]
+    events = find_shifts(m) or [s for s in find_spikes(m) if s.step >= cfg.optim.warmup_steps]
+    if not events:
         return None
-    every = PRESETS[e.preset].checkpoint_every
-    return (shifts[0].step // every + 1) * every
+    return (events[0].step // cfg.checkpoint_every + 1) * cfg.checkpoint_every
 
 
 def from_step(m: dict, step: int) -> dict:

@@ -148,6 +148,14 @@ LEVERS = [
     lever("muon", optimizer="muon"),
 ]
 GROUPS += LEVERS
+# LR sensitivity as Wortsman et al. (2309.14322) define it: the story regime at each LR of a
+# half-decade grid from 1e-3 to 1, with and without QK-Norm, one group per LR and arm (each
+# recorded as it finishes), the LRs nearest the story's 5e-2 first.
+SWEEP_LRS = (1e-1, 3e-2, 3e-1, 1.0, 1e-2, 3e-3, 1e-3)
+SWEEP = [g for lr in SWEEP_LRS for base in [dataclasses.replace(STORY, name=f"story-lr{lr:g}",
+                                                                lrs=(lr,))]
+         for g in (base, twin(base))]
+GROUPS += SWEEP
 COMPARE = {g.name: g.compare_with for g in GROUPS if g.compare_with}
 
 
