@@ -1,16 +1,19 @@
 """The spike story at CPU scale, over seeds: one train.py / warmstart.py command per run.
 
-    python experiments.py                  # everything (~1 hour on 2 cores), then the results
-    python experiments.py baseline qk-norm --seeds 0,1,2 --jobs 2
+    python experiments.py                  # everything (~2 hours on 2 cores), then the results
+    python experiments.py baseline rescue --seeds 0,1,2 --jobs 1
     python experiments.py --list           # the command of every run
     python experiments.py --results-only   # tables and figures from the runs already made
 
-Every run is exactly the command `--list` prints, in runs/exp/NAME-sSEED; a finished run is not
-run again, so an interrupted suite resumes where it stopped. The seed sets both the
-initialisation (--seed) and the data order (--data.seed). Some runs depend on others: the
-rescues warm-start from a checkpoint of their source run, and the "replace-batches" runs rewind
-their source to its last checkpoint before its largest loss event and go on with the batches
-before that event replaced; they run once their sources are done.
+These are the story's runs that need train.py itself: the baseline and everything started from
+its checkpoints (or from another run's), the guard, and the 32B's configuration with QK-Norm
+inserted into it; the levers from scratch run in search.py's vmapped harness. Every run is
+exactly the command `--list` prints, in runs/exp/NAME-sSEED; a finished run is not run again,
+so an interrupted suite resumes where it stopped. The seed sets both the initialisation (--seed)
+and the data order (--data.seed). Some runs depend on others: the rescues warm-start from a
+checkpoint of their source run, and the "replace-batches" runs rewind their source to its last
+checkpoint before its largest loss event and go on with the batches before that event replaced;
+they run once their sources are done.
 
 Afterwards the results -- per run, read from its metrics.jsonl, then mean and spread over the
 seeds -- go to results/results.json (with the machine and each run's wall time), the figures to
@@ -21,7 +24,6 @@ where the difference of the means exceeds the sum of the two standard deviations
 
 import dataclasses
 import json
-import math
 import os
 import pathlib
 import platform
@@ -41,10 +43,8 @@ from config import PRESETS
 from report import find_shifts, find_spikes, read_metrics, summary
 
 RUNS, RESULTS = pathlib.Path("runs/exp"), pathlib.Path("results")
-STORY, SWEEP, BAD = "story", "spiky", "bad-spike"  # presets (train.py)
-RESCUE_STEP = 300  # warm-start the sweep's runs here
+STORY = "story"  # the preset (train.py)
 REWARMUP = 100
-LR_GRID = ["1e-3", "1e-2", "1e-1"]  # a subset of Wortsman et al.'s grid, to fit the time
 REPLACED = 20  # replace-batches: the batches of this many steps before the event
 
 
@@ -56,63 +56,44 @@ class Experiment:
     flags: tuple[str, ...] = ()  # train.py flags on top of the preset
     preset: str = STORY
     baseline: str | None = "baseline"  # the row its held-out loss is compared with
-    panels: tuple[str, ...] = ("interventions",)  # the figures (PANELS) it is drawn in
+    panels: tuple[str, ...] = ("rescue",)  # the figures (PANELS) it is drawn in
     # How its runs start: "train" from scratch; "rescue": QK-Norm inserted by warmstart.py into
-    # a checkpoint of `source` at `step` ("after-event": the first checkpoint after its first
-    # level shift); "switch": `source` resumed from that checkpoint with `flags` added (a
-    # setting a resume may switch on, QK-Clip); "replace": `source` rewound to its last
+    # `source` at the first checkpoint after its first event (start_step); "switch": `source`
+    # resumed from that checkpoint with `flags` added (a setting a resume may switch on,
+    # QK-Clip); "replace": `source` rewound to its last
     # checkpoint before its largest loss event and run on with the batches of the REPLACED
     # steps before the event replaced (Marin: "we tried skipping the problematic step").
     start: str = "train"
     source: str = ""
-    step: int | str = RESCUE_STEP
 
 
 EXPERIMENTS = [
-    Experiment("baseline", baseline=None, panels=("rescue",)),
-    Experiment("clip-0.2", ("--optim.max-grad-norm", "0.2")),
-    Experiment("skip-step", ("--optim.skip-step",), panels=("interventions", "rescue")),
-    Experiment("update-clip-norm", ("--optim.update-clip", "norm")),
-    Experiment("update-clip-rms", ("--optim.update-clip", "rms")),
-    Experiment("muon", ("--optim.optimizer", "muon")),
-    Experiment("qk-norm", ("--model.qk-norm",), panels=("rescue",)),
-    Experiment("bad-spike", preset=BAD, baseline=None, panels=("bad-spike",)),
-    Experiment("bad-spike-qk-norm", ("--model.qk-norm",), BAD, "bad-spike", ("bad-spike",)),
-    *[Experiment(f"lr{lr}{'-qk' * qk}", ("--optim.lr", lr) + ("--model.qk-norm",) * qk, SWEEP,
-                 baseline=None, panels=()) for lr in LR_GRID for qk in (False, True)],
+    Experiment("baseline", baseline=None),
+    # Mid-run, after the baseline's first level shift: QK-Norm inserted, QK-Clip switched on;
+    # the batches before its largest event replaced
+    Experiment("rescue", start="rescue", source="baseline"),
+    Experiment("qk-clip-switched-on", ("--optim.qk-clip", "100"), start="switch",
+               source="baseline"),
     Experiment("replace-batches", start="replace", source="baseline"),
-    Experiment("bad-spike-replace-batches", preset=BAD, baseline="bad-spike",
-               panels=("bad-spike",), start="replace", source="bad-spike"),
-    Experiment("rescue", panels=("rescue",), start="rescue", source="baseline",
-               step="after-event"),
-    Experiment("qk-clip-switched-on", ("--optim.qk-clip", "100"), panels=("rescue",),
-               start="switch", source="baseline", step="after-event"),
     # The guard (guard.py): rollback and data replacement only, then with escalation to QK-Norm
-    Experiment("guard", ("--guard",), panels=("rescue",)),
-    Experiment("guard-escalate", ("--guard", "--guard.escalate", "qk-norm"), panels=("rescue",)),
+    Experiment("guard", ("--guard",)),
+    Experiment("guard-escalate", ("--guard", "--guard.escalate", "qk-norm")),
     # The 32B's configuration (clip 0.2, skip-step, update-norm clip), then QK-Norm inserted
     Experiment("marin-32b", ("--optim.max-grad-norm", "0.2", "--optim.skip-step",
                              "--optim.update-clip", "norm"), panels=("marin-32b",)),
     Experiment("rescue-marin-32b", baseline="marin-32b", panels=("marin-32b",), start="rescue",
-               source="marin-32b", step="after-event"),
-    Experiment("rescue-skip-step", panels=("rescue",), start="rescue", source="skip-step"),
-    Experiment("bad-spike-rescue", preset=BAD, baseline="bad-spike", panels=("bad-spike",),
-               start="rescue", source="bad-spike", step="after-event"),
+               source="marin-32b"),
 ]
 BY_NAME = {e.name: e for e in EXPERIMENTS}
 NAMES = list(BY_NAME)
 # The figures: name -> (file, title); each draws the rows that name it in `panels`.
 PANELS = {
-    "interventions": ("interventions.png", "Marin's interventions against the story baseline"),
     "rescue": ("qk_norm_and_rescue.png", "after the baseline's first level shift: QK-Norm "
-               "inserted (warm start), QK-Clip switched on;\nthe guard (rollback, then QK-Norm "
-               "on relapse); QK-Norm from scratch"),
+               "inserted (warm start), QK-Clip switched on, the batches before\nits largest "
+               "event replaced; the guard (rollback, then QK-Norm on relapse)"),
     "marin-32b": ("marin_32b_and_rescue.png", "the 32B's configuration (clip 0.2, skip-step, "
                   "update-norm clip) and QK-Norm\ninserted into it after its first level shift "
                   "(its first spike past the warmup where it has none)"),
-    "bad-spike": ("bad_spike.png", "the bad-spike preset: without and with QK-Norm, QK-Norm "
-                  "inserted after the\nfirst level shift, the batches before the largest event "
-                  "replaced"),
 }
 
 
@@ -160,8 +141,6 @@ def start_step(e: Experiment, src: pathlib.Path) -> int | None:
     """The checkpoint of `src` a "rescue" or "switch" run starts from: the first one after the
     first level shift, or where the run has none, after its first spike past the warmup (None:
     no event)."""
-    if e.step != "after-event":
-        return int(e.step)
     m, cfg = read_metrics(src), PRESETS[e.preset]
     events = find_shifts(m) or [s for s in find_spikes(m) if s.step >= cfg.optim.warmup_steps]
     if not events:
@@ -291,13 +270,6 @@ def caught_up(m: dict, seed: int, start: int, tol: float = 0.05) -> int | None:
     return None
 
 
-def lr_sensitivity(finals: dict[str, float], initial: float) -> float:
-    """Wortsman et al. (2309.14322): mean over the LR grid of min(final loss, initial loss)
-    minus the best final loss; a run that did not finish counts at the initial loss."""
-    clipped = [min(f, initial) if math.isfinite(f) else initial for f in finals.values()]
-    return float(np.mean(clipped) - min(clipped))
-
-
 def spread(values: list[float]) -> dict:
     v = np.array(values, dtype=np.float64)
     return {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else 0.0,
@@ -349,18 +321,6 @@ def collect(seeds: list[int]) -> tuple[dict, dict]:
             per_seed[s] = row
         rows[name] = {"seeds": per_seed,
                       **{k: spread([r[k] for r in per_seed.values()]) for k in STATS}}
-    grid = [f"lr{lr}" for lr in LR_GRID]
-    if all(n in rows and n + "-qk" in rows for n in grid):
-        def final(name, seed):  # a run that stopped before its last step counts as diverged
-            r = rows[name]["seeds"][seed]
-            return r["final_loss"] if r["steps"] == PRESETS[SWEEP].steps else math.nan
-        both = [s for s in seeds if all(s in rows[n + qk]["seeds"] for n in grid
-                                        for qk in ("", "-qk"))]
-        sens = {qk: [lr_sensitivity({n: final(n + qk, s) for n in grid},
-                                    float(metrics[grid[0] + qk][s]["loss"][0])) for s in both]
-                for qk in ("", "-qk")}
-        rows["lr_sensitivity"] = {"without_qk_norm": spread(sens[""]),
-                                  "with_qk_norm": spread(sens["-qk"])}
     return rows, metrics
 
 
@@ -389,8 +349,6 @@ def table(rows: dict, seeds: list[int]) -> str:
              "shifts | max attn logit: over the run; at the end | skipped | command (seed 0) |",
              "|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
-        if name == "lr_sensitivity":
-            continue
         base = BY_NAME[name].baseline
         vs = compare(r, rows[base]) if base in rows else ""
         extra = ""
@@ -413,22 +371,6 @@ def table(rows: dict, seeds: list[int]) -> str:
             f"{logit(r['max_attn_logit']['min'])}–{logit(r['max_attn_logit']['max'])}; "
             f"{logit(r['final_attn_logit']['min'])}–{logit(r['final_attn_logit']['max'])} | "
             f"{per_seed(r, 'skipped_steps')} | `python {' '.join(cmd[1:]) if cmd else '-'}` |")
-    for rescue, source in [(e.name, e.source) for e in EXPERIMENTS
-                           if e.start == "rescue" and e.step == RESCUE_STEP]:
-        if {rescue, source, "qk-norm"} <= set(rows):
-            base, qk, res = (rows[n]["eval_loss"]["mean"] for n in (source, "qk-norm", rescue))
-            lines.append(f"\n{rescue}: QK-Norm inserted at step {RESCUE_STEP} into {source} "
-                         f"ends at {res:.3f} held-out, closing {(base - res) / (base - qk):.0%} "
-                         f"of the gap from {source} ({base:.3f}) to QK-Norm from scratch "
-                         f"({qk:.3f}), means over seeds; against QK-Norm from scratch: "
-                         f"{compare(rows[rescue], rows['qk-norm'])}.")
-    if "lr_sensitivity" in rows:
-        s = rows["lr_sensitivity"]
-        lines.append(f"\nLR sensitivity over {{{', '.join(LR_GRID)}}} (Wortsman et al.: mean of "
-                     "min(final, initial loss) − best final loss), mean ± std over seeds: "
-                     f"**{s['without_qk_norm']['mean']:.3f} ± {s['without_qk_norm']['std']:.3f}** "
-                     f"without QK-Norm, **{s['with_qk_norm']['mean']:.3f} ± "
-                     f"{s['with_qk_norm']['std']:.3f}** with it.")
     return "\n".join(lines)
 
 
@@ -474,7 +416,7 @@ def figures(metrics: dict, rows: dict, out: pathlib.Path) -> list[pathlib.Path]:
         plt.close(fig)
         paths.append(out / name)
 
-    def panels(names, title, name, marks=()):
+    def panels(names, title, name):
         fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True,
                                  gridspec_kw={"height_ratios": [3, 2, 2]})
         for run, color in zip([n for n in names if n in metrics], colors):
@@ -483,8 +425,6 @@ def figures(metrics: dict, rows: dict, out: pathlib.Path) -> list[pathlib.Path]:
             seed_curves(axes[2], metrics[run], "attn_logit_max", color, run, log=True,
                         raw=False)
         for ax in axes:
-            for step in marks:
-                ax.axvline(step, color="k", lw=0.8, ls="--")
             ax.grid(alpha=0.3)
         axes[0].set_ylabel("train loss (nats/byte)")
         axes[0].set_title(title, fontsize=10)
@@ -502,34 +442,10 @@ def figures(metrics: dict, rows: dict, out: pathlib.Path) -> list[pathlib.Path]:
         names = [e.name for e in EXPERIMENTS if panel in e.panels and e.name in metrics]
         if not names:
             continue
-        marks = sorted({e.step for e in EXPERIMENTS if panel in e.panels
-                        and e.start == "rescue" and isinstance(e.step, int)})
         panels(names, f"{title} ({seeds}: mean EMA line, band from the lowest to the highest "
-               "seed)", file, marks)
+               "seed)", file)
 
-    if "lr_sensitivity" in rows:
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-        x = [float(lr) for lr in LR_GRID]
-        for qk, color, label in (("", colors[0], "without QK-Norm"),
-                                 ("-qk", colors[1], "with QK-Norm")):
-            for ax, key in zip(axes, ("eval_loss", "max_attn_logit")):
-                r = [rows[f"lr{lr}{qk}"][key] for lr in LR_GRID]
-                y = np.array([v["mean"] for v in r])
-                err = np.array([[v["mean"] - v["min"] for v in r], [v["max"] - v["mean"]
-                                                                     for v in r]])
-                ax.errorbar(x, y, yerr=err, color=color, marker="o", capsize=3, label=label)
-        axes[0].set_ylabel("held-out loss (nats/byte)")
-        axes[1].set_ylabel("max |attn logit|")
-        axes[1].set_yscale("log")
-        for ax in axes:
-            ax.set_xscale("log")
-            ax.set_xlabel("peak learning rate")
-            ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=8)
-        axes[0].set_title(f"LR sweep ({seeds}; bars: lowest to highest seed)", fontsize=10)
-        save(fig, "lr_sweep.png")
-
-    grid = [n for n in ("baseline", "qk-norm", "rescue", "bad-spike") if n in metrics]
+    grid = [n for n in ("baseline", "rescue", "guard-escalate") if n in metrics]
     if grid:
         fig, axes = plt.subplots(1, len(grid), figsize=(3 * len(grid), 2.8), sharey=True,
                                  squeeze=False)

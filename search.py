@@ -6,7 +6,9 @@ with its outcome, goes to results/search.json.
     python search.py --summary           # the table of outcomes (no training)
     python search.py --markdown          # the README's table of the search
     python search.py --levers            # the levers on the story regime (README table)
-    python search.py --plot              # results/search.png, levers.png; results/README.md
+    python search.py --sweep             # the LR sweep and its LR sensitivity (README table)
+    python search.py --plot              # results/search.png, levers.png, lr_sweep.png and
+                                         # the three tables in results/README.md
 
 A *group* is one compiled train step over several *members* (learning rates x seeds) stacked
 with `jax.vmap`, stepped `chunk` steps at a time inside one `lax.scan`: one dispatch and one
@@ -23,6 +25,7 @@ run is compared with the QK-Norm run of the same group settings.
 
 import dataclasses
 import json
+import math
 import pathlib
 import sys
 import time
@@ -156,6 +159,7 @@ SWEEP = [g for lr in SWEEP_LRS for base in [dataclasses.replace(STORY, name=f"st
                                                                 lrs=(lr,))]
          for g in (base, twin(base))]
 GROUPS += SWEEP
+SWEEP_NAMES = {g.name for g in SWEEP}
 COMPARE = {g.name: g.compare_with for g in GROUPS if g.compare_with}
 
 
@@ -327,7 +331,8 @@ def markdown(rows: list[dict]) -> str:
     verdicts = {(v["group"], v["lr"], v["seed"]): v for v in judge(rows)}
     cells: dict = {}
     for r in rows:
-        cells.setdefault((r["group"], r["lr"]), []).append(r)
+        if r["group"] not in SWEEP_NAMES:  # the LR sweep has its own table
+            cells.setdefault((r["group"], r["lr"]), []).append(r)
     lines = ["| group | β2 | ε | warmup | LR | spikes per seed | level shifts | S1 (vs QK-Norm) | "
              "held-out (nats/byte) | max attn logit | spike steps |", "|---" * 11 + "|"]
     for (group, lr), members in cells.items():
@@ -411,6 +416,113 @@ def levers_markdown(record: dict) -> str:
     return "\n".join(lines)
 
 
+def sweep_rows(record: dict) -> list[dict]:
+    """The LR sweep so far, one row per LR and arm: each seed's held-out loss at the end (NaN
+    where the run went non-finite), its initial train loss, spikes, level shifts, max logit."""
+    rows = []
+    for g in sorted(SWEEP, key=lambda g: (g.lrs[0], g.qk_norm)):
+        if g.name not in record["groups"]:
+            continue
+        members = sorted(record["groups"][g.name]["members"], key=lambda m: m["seed"])
+        first = np.load(CURVES / f"{g.name}.npz")["loss"][:, 0]
+        rows.append({"lr": g.lrs[0], "qk_norm": g.qk_norm, "seeds": [m["seed"] for m in members],
+                     "final": [m["eval_loss"][-1] if m["finite"] else math.nan
+                               for m in members],
+                     "initial": [float(x) for x in first],
+                     "spikes": [len(m["spike_steps"]) for m in members],
+                     "shifts": [len(m["shift_steps"]) for m in members],
+                     "max_logit": [m["max_attn_logit"] for m in members]})
+    return rows
+
+
+def lr_sensitivity(finals: dict[str, float], initial: float) -> float:
+    """Wortsman et al. (2309.14322): mean over the LR grid of min(final loss, initial loss)
+    minus the best final loss; a run that did not finish counts at the initial loss."""
+    clipped = [min(f, initial) if math.isfinite(f) else initial for f in finals.values()]
+    return float(np.mean(clipped) - min(clipped))
+
+
+def sensitivity(rows: list[dict]) -> dict[bool, list[float]] | None:
+    """Wortsman et al.'s LR sensitivity per seed, without and with QK-Norm, over the LRs both
+    arms have finished (None before two such LRs)."""
+    lrs = sorted({r["lr"] for r in rows if r["qk_norm"]} & {r["lr"] for r in rows
+                                                           if not r["qk_norm"]})
+    if len(lrs) < 2:
+        return None
+    by = {(r["lr"], r["qk_norm"]): r for r in rows}
+    return {qk: [lr_sensitivity({lr: by[lr, qk]["final"][i] for lr in lrs},
+                                by[lrs[0], qk]["initial"][i])
+                 for i in range(len(by[lrs[0], qk]["seeds"]))] for qk in (False, True)}
+
+
+def sweep_markdown(record: dict) -> str:
+    rows = sweep_rows(record)
+    if not rows:
+        return "no LR of the sweep run yet"
+
+    def mean_sd(x):
+        x = np.asarray(x)
+        return (f"{np.mean(x):.3f} ± {np.std(x, ddof=1):.3f}" if np.all(np.isfinite(x))
+                else f"non-finite in {int(np.sum(~np.isfinite(x)))} of {len(x)} seeds")
+    lines = ["| LR | QK-Norm | held-out at the end (nats/byte) | spikes per seed | level shifts | "
+             "max attn logit |", "|---" * 6 + "|"]
+    for r in rows:
+        lines.append(f"| {r['lr']:g} | {'yes' if r['qk_norm'] else 'no'} | "
+                     f"{mean_sd(r['final'])} | {', '.join(map(str, r['spikes']))} | "
+                     f"{', '.join(map(str, r['shifts']))} | {min(r['max_logit']):,.0f}–"
+                     f"{max(r['max_logit']):,.0f} |")
+    sens = sensitivity(rows)
+    if sens:
+        lrs = sorted({r["lr"] for r in rows})
+        done = sorted({r["lr"] for r in rows if r["qk_norm"]}
+                      & {r["lr"] for r in rows if not r["qk_norm"]})
+        lines.append(
+            f"\nLR sensitivity (Wortsman et al.: the mean over the LRs of min(final, initial "
+            f"loss) minus the best final loss; a non-finite run counts at the initial loss) over "
+            f"the LRs {', '.join(f'{x:g}' for x in done)}"
+            + ("" if len(done) == len(SWEEP_LRS) else f" ({len(done)} of the {len(SWEEP_LRS)}"
+               f" LRs of the grid; {', '.join(f'{x:g}' for x in lrs if x not in done) or 'none'}"
+               " run in one arm only)")
+            + f", mean ± sd over seeds: **{np.mean(sens[False]):.3f} ± "
+            f"{np.std(sens[False], ddof=1):.3f}** without QK-Norm, **{np.mean(sens[True]):.3f} "
+            f"± {np.std(sens[True], ddof=1):.3f}** with it.")
+    return "\n".join(lines)
+
+
+def plot_sweep(record: dict, out: pathlib.Path) -> pathlib.Path:
+    """results/lr_sweep.png: held-out loss at the end against the LR, without and with
+    QK-Norm (mean over seeds, bars from the lowest to the highest seed); the max logit."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = sweep_rows(record)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for qk, color, label in ((False, "C0", "without QK-Norm"), (True, "C1", "with QK-Norm")):
+        arm = [r for r in rows if r["qk_norm"] == qk]
+        x = [r["lr"] for r in arm]
+        for ax, key in zip(axes, ("final", "max_logit")):
+            ys = [np.asarray(r[key], dtype=np.float64) for r in arm]
+            y = np.array([np.nanmean(v) if np.any(np.isfinite(v)) else np.nan for v in ys])
+            err = np.array([[m - np.nanmin(v), np.nanmax(v) - m] if np.isfinite(m)
+                            else [0, 0] for m, v in zip(y, ys)]).T.reshape(2, -1)
+            ax.errorbar(x, y, yerr=err, color=color, marker="o", capsize=3, label=label)
+    axes[0].set_ylabel("held-out loss at step 4,000 (nats/byte)")
+    axes[1].set_ylabel("max |attn logit| over the run")
+    axes[1].set_yscale("log")
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xlabel("peak learning rate")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    axes[0].set_title("the story regime's LR sweep (3 seeds; bars: lowest to highest seed)",
+                      fontsize=9)
+    fig.tight_layout()
+    path = out / "lr_sweep.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def plot_levers(record: dict, out: pathlib.Path) -> pathlib.Path:
     """results/levers.png: per lever, each seed's train loss (EMA 20) beside the baseline's
     (grey) and QK-Norm's (dashed); level shifts as crosses."""
@@ -455,7 +567,8 @@ def plot(record: dict, out: pathlib.Path) -> pathlib.Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    pairs = [(g, lr) for g, v in record["groups"].items() if g + "-qk" in record["groups"]
+    pairs = [(g, lr) for g, v in record["groups"].items()
+             if g + "-qk" in record["groups"] and g not in SWEEP_NAMES
              for lr in v["lrs"] if lr in record["groups"][g + "-qk"]["lrs"]]
     fig, axes = plt.subplots(len(pairs), 1, figsize=(9, 3.2 * len(pairs)), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -536,13 +649,20 @@ def main(argv: list[str]) -> int:
     if "--levers" in argv:
         print(levers_markdown(record))
         return 0
+    if "--sweep" in argv:
+        print(sweep_markdown(record))
+        return 0
     if "--plot" in argv:  # the figures, and both tables into results/README.md
         print(f"wrote {plot(record, OUT.parent)}")
         if any(g.name in record["groups"] for g in LEVERS):
             print(f"wrote {plot_levers(record, OUT.parent)}")
         update_readme(levers_markdown(record), part="levers", writer="search.py")
+        if any(g.name in record["groups"] for g in SWEEP):
+            print(f"wrote {plot_sweep(record, OUT.parent)}")
+        update_readme(sweep_markdown(record), part="lr-sweep", writer="search.py")
         update_readme(markdown(rows), part="search", writer="search.py")
-        print(f"wrote the levers' and the search's tables in {OUT.parent}/README.md")
+        print(f"wrote the levers', the LR sweep's and the search's tables in "
+              f"{OUT.parent}/README.md")
         return 0
     run(groups)
     return 0

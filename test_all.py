@@ -2507,10 +2507,11 @@ def test_a_rescue_catches_up_at_the_first_eval_within_005_of_qk_norm_at_that_ste
 
 def test_lr_sensitivity_recovery_and_the_spread_rule():
     import experiments as E
+    import search as SE
     finals = {"1e-3": 2.5, "1e-2": 2.0, "3e-2": 2.2, "1e-1": 6.0, "3e-1": np.nan}
     # 1e-1 ends above the initial loss and 3e-1 diverged: both count at the initial 5.5
-    assert E.lr_sensitivity(finals, 5.5) == pytest.approx(np.mean([2.5, 2.0, 2.2, 5.5, 5.5])
-                                                          - 2.0)
+    assert SE.lr_sensitivity(finals, 5.5) == pytest.approx(np.mean([2.5, 2.0, 2.2, 5.5, 5.5])
+                                                           - 2.0)
     spiky = {"step": np.arange(300.0), "loss": np.full(300, 2.0)}
     rescue = {"step": np.arange(150.0, 300.0), "loss": np.r_[np.full(30, 2.5), np.full(120, 1.9)]}
     # the 20-step mean first reaches 2.0 with 3 of its steps at 2.5: (3 x 2.5 + 17 x 1.9) / 20
@@ -2604,17 +2605,61 @@ def test_each_experiment_row_names_its_baseline_source_and_figure(tmp_path):
                 "update_norm": np.ones(n), "attn_logit_max": np.ones((n, 2)),
                 "eval_step": np.array([n - 1.0]), "eval_loss": np.array([level])}
     metrics = {"baseline": {s: run(2.0 + 0.01 * s) for s in (0, 1, 2)},
-               "clip-0.2": {s: run(1.5 + 0.01 * s) for s in (0, 1, 2)},
-               "muon": {s: run(2.0 - 0.01 * s) for s in (0, 1, 2)}}
+               "guard": {s: run(1.5 + 0.01 * s) for s in (0, 1, 2)},
+               "marin-32b": {s: run(2.0 - 0.01 * s) for s in (0, 1, 2)}}
     rows = {name: {"seeds": {s: R.summary(m) for s, m in runs.items()},
                    **{k: E.spread([R.summary(m)[k] for m in runs.values()]) for k in E.STATS}}
             for name, runs in metrics.items()}
     text = E.table(rows, [0, 1, 2])
-    assert "| clip-0.2 | 1.510 ± 0.010 | better (-0.500) |" in text
-    assert "| muon | 1.990 ± 0.010 | no measurable difference |" in text
+    assert "| guard | 1.510 ± 0.010 | better (-0.500) |" in text
+    assert "| marin-32b | 1.990 ± 0.010 | no measurable difference |" in text
     paths = E.figures(metrics, rows, tmp_path)
-    assert [p.name for p in paths] == ["interventions.png", "qk_norm_and_rescue.png",
-                                       "attn_logits_per_layer.png"]  # no bad-spike row: no panel
+    assert [p.name for p in paths] == ["qk_norm_and_rescue.png", "marin_32b_and_rescue.png",
+                                       "attn_logits_per_layer.png"]
+
+
+def test_a_warm_start_begins_after_the_first_level_shift_or_else_the_first_spike_past_warmup(
+        tmp_path, monkeypatch):
+    import experiments as E
+    rng = np.random.default_rng(0)
+    loss = 2.0 + 0.01 * rng.standard_normal(2000)
+    loss[600] = loss[1300] = 4.0  # one-step spikes: in the warmup (1,000 steps) and after it
+    monkeypatch.setattr(E, "read_metrics", lambda src: {"step": np.arange(2000.0),
+                                                        "loss": loss})
+    rescue = E.BY_NAME["rescue-marin-32b"]
+    assert E.start_step(rescue, tmp_path) == 1500  # no shift: the spike at 1,300, every 250
+    loss[1700:] += 0.5  # a level shift comes first in the rule's order
+    assert E.start_step(rescue, tmp_path) == 1750
+    loss[:] = 2.0 + 0.01 * rng.standard_normal(2000)
+    loss[600] = 4.0
+    assert E.start_step(rescue, tmp_path) is None  # only a spike inside the warmup
+
+
+def test_the_lr_sweep_reads_final_losses_and_lr_sensitivity_per_seed(tmp_path, monkeypatch):
+    import search as SE
+    monkeypatch.setattr(SE, "CURVES", tmp_path)
+    record = {"groups": {}}
+    finals = {(1e-1, False): [2.0, 2.2, 2.1], (1e-1, True): [1.7, 1.8, 1.75],
+              (3e-1, False): [9.0, np.nan, 2.6], (3e-1, True): [1.8, 1.9, 1.85]}
+    for g in SE.SWEEP:
+        key = (g.lrs[0], g.qk_norm)
+        if key not in finals:
+            continue
+        np.savez(tmp_path / f"{g.name}.npz", loss=np.full((3, 5), 5.5))
+        record["groups"][g.name] = {"members": [
+            {"seed": s, "eval_step": [4000], "eval_loss": [x], "finite": bool(np.isfinite(x)),
+             "spike_steps": [1200] * s, "shift_steps": [], "max_attn_logit": 10.0 ** (s + 1)}
+            for s, x in enumerate(finals[key])]}
+    rows = SE.sweep_rows(record)
+    assert [(r["lr"], r["qk_norm"]) for r in rows] == sorted(finals)
+    sens = SE.sensitivity(rows)
+    # seed 0 without QK-Norm: 9.0 ends above the initial 5.5, counted at 5.5; seed 1 diverged
+    assert sens[False] == pytest.approx([(2.0 + 5.5) / 2 - 2.0, (2.2 + 5.5) / 2 - 2.2,
+                                         (2.1 + 2.6) / 2 - 2.1])
+    assert sens[True] == pytest.approx([0.05, 0.05, 0.05])
+    text = SE.sweep_markdown(record)
+    assert "| 0.3 | no | non-finite in 1 of 3 seeds | 0, 1, 2 | 0, 0, 0 | 10–1,000 |" in text
+    assert "| 0.1 | yes | 1.750 ± 0.050 |" in text and "2 of the 7 LRs" in text
 
 
 # ---------------------------------------------------------------------------------------------
