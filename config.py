@@ -98,23 +98,6 @@ PRESETS = {
         data=DataConfig(batch_size=16, eval_sequences=64),
         run_dir="runs/story", steps=4000, log_every=250, eval_every=250,
         checkpoint_every=250, keep_checkpoints=20),
-    # The LR sweep: the same model, beta2 0.99, clipping at 1, cosine decay; 100 steps.
-    "spiky": TrainConfig(
-        model=ModelConfig(d_model=64, d_ff=172, attention="dense"),
-        optim=OptimConfig(lr=3e-2, warmup_steps=10, b2=0.99),
-        data=DataConfig(batch_size=16),
-        run_dir="runs/spiky", steps=100, log_every=50, eval_every=100, checkpoint_every=100),
-    # Looking for Marin's "Bad Spike" (a rise that does not settle back): the first story
-    # preset (d_model 64, constant LR 3e-2 after 10 steps, beta2 0.999, no clipping) longer,
-    # with Adam's eps 1e-15 and neither weight decay nor z-loss (Molybog et al. 2304.13013:
-    # a tiny eps lets time-correlated gradients blow up Adam's update). ~4 minutes on 2 cores.
-    "bad-spike": TrainConfig(
-        model=ModelConfig(d_model=64, d_ff=172, z_loss_weight=0.0, attention="dense"),
-        optim=OptimConfig(lr=3e-2, warmup_steps=10, b2=0.999, eps=1e-15, weight_decay=0.0,
-                          max_grad_norm=0.0, min_lr_ratio=1.0),
-        data=DataConfig(batch_size=16),
-        run_dir="runs/bad-spike", steps=1500, log_every=250, eval_every=500,
-        checkpoint_every=100, keep_checkpoints=20),
     # The real Marin 32B shape and optimizer (Marin's exp1295_32b); for --dry-run on a laptop.
     "marin-32b": TrainConfig(
         model=ModelConfig(vocab_size=128_256, d_model=5120, n_layers=64, n_heads=40,

@@ -1,7 +1,7 @@
 """Spike report and figures from run directories' metrics.jsonl.
 
-    python report.py runs/spiky                              # the spike and level-shift tables
-    python report.py runs/spiky runs/qk --plot figures/      # + PNG figures, the runs overlaid
+    python report.py runs/story                              # the spike and level-shift tables
+    python report.py runs/story runs/qk --plot figures/      # + PNG figures, the runs overlaid
 
 Two kinds of event, each with its own rule:
 

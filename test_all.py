@@ -612,7 +612,7 @@ def test_the_schedule_warms_up_holds_and_decays():
     assert float(cos(55)) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * 0.5)))
 
 
-@pytest.mark.parametrize("preset", ["cpu", "tiny", "marin-32b", "spiky"])
+@pytest.mark.parametrize("preset", ["cpu", "tiny", "marin-32b", "story"])
 def test_the_schedule_is_continuous_where_warmup_ends(preset):
     """No step of a preset's schedule moves the LR by more than one warmup increment (the
     cosine decay over the whole run once dropped 3.00e-3 to 2.60e-3 in one step there)."""

@@ -1,8 +1,8 @@
 """Insert QK-Norm into a run's checkpoint, keep the optimizer state, re-warm the LR, train on.
 
-    python warmstart.py --from runs/spiky --to runs/rescued
-    python warmstart.py --from runs/spiky --to runs/rescued --step 200 --rewarmup-steps 50 \
-        --optim.max-grad-norm 0.2 --steps 600 --no-train
+    python warmstart.py --from runs/story --to runs/rescued
+    python warmstart.py --from runs/story --to runs/rescued --step 2750 --rewarmup-steps 100 \
+        --optim.max-grad-norm 0.2 --steps 5000 --no-train
 
 What Marin did for its 32B at step 80,000: the same model plus QK-Norm, the whole train state
 restored from the old checkpoint (step, Adam moments and count, skip/clip histories), the new norm
