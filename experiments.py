@@ -156,6 +156,14 @@ def from_step(m: dict, step: int) -> dict:
                                       "eval_loss": np.asarray(m["eval_loss"])[evals]}
 
 
+def rewound_to(e: Experiment, src: pathlib.Path) -> int | None:
+    """The checkpoint of `src` a "replace" or "switch" run resumes from: the last one at or
+    before its first replaced step (the switch's step)."""
+    first = start_step(e, src) if e.start == "switch" else max(largest_event(src) - REPLACED, 0)
+    steps = [s for s in saved_steps(src) if s <= first]
+    return steps[-1] if steps else None
+
+
 def rewind(name: str, seed: int) -> None:
     """Start a "replace" or "switch" run (name, seed) from a copy of its source: config.json,
     the last checkpoint at or before the first replaced step (the switch's step), and the
@@ -164,17 +172,15 @@ def rewind(name: str, seed: int) -> None:
     bit for bit."""
     e = BY_NAME[name]
     src, run = run_dir(e.source, seed), run_dir(name, seed)
-    first = (start_step(e, src) if e.start == "switch"
-             else max(largest_event(src) - REPLACED, 0))
-    steps = [s for s in saved_steps(src) if s <= first]
-    if not steps:
+    step = rewound_to(e, src)
+    if step is None:
         return
     (run / "checkpoints").mkdir(parents=True)
-    shutil.copytree(src / "checkpoints" / str(steps[-1]), run / "checkpoints" / str(steps[-1]))
+    shutil.copytree(src / "checkpoints" / str(step), run / "checkpoints" / str(step))
     shutil.copy(src / "config.json", run / "config.json")
     lines = (src / "metrics.jsonl").read_text().splitlines(keepends=True)
     (run / "metrics.jsonl").write_text("".join(x for x in lines
-                                               if json.loads(x)["step"] < steps[-1]))
+                                               if json.loads(x)["step"] < step))
 
 
 def finished(run: pathlib.Path) -> bool:
@@ -298,8 +304,8 @@ def collect(seeds: list[int]) -> tuple[dict, dict]:
             continue
         metrics[name] = {s: read_metrics(r) for s, r in runs.items()}
         e = BY_NAME[name]
-        if e.start == "switch":  # its own steps only: the run holds its source's before them
-            metrics[name] = {s: from_step(m, start_step(e, run_dir(e.source, s)))
+        if e.start in ("switch", "replace"):  # its own steps: it holds its source's before
+            metrics[name] = {s: from_step(m, rewound_to(e, run_dir(e.source, s)) or 0)
                              for s, m in metrics[name].items()}
         per_seed = {}
         for s, m in metrics[name].items():
@@ -313,6 +319,8 @@ def collect(seeds: list[int]) -> tuple[dict, dict]:
                 row["escalated_at"] = next((x["rollback_to"] for x in acted
                                             if x.get("escalation")), None)
                 row["caught_up_at"] = row["escalated_at"] and caught_up(m, s, row["escalated_at"])
+            if e.start == "replace":
+                row["rewound_to"] = int(m["step"][0])
             if e.start in ("rescue", "switch"):
                 at = int(m["step"][0])
                 row["warm_start_step"] = at
@@ -356,6 +364,9 @@ def table(rows: dict, seeds: list[int]) -> str:
             what = "warm start" if BY_NAME[name].start == "rescue" else "switched on"
             extra = (f"; {what} at step {per_seed(r, 'warm_start_step')}, train loss back at "
                      f"its level before after {per_seed(r, 'recovered_after')} steps")
+        if BY_NAME[name].start == "replace":
+            extra = (f"; rewound to step {per_seed(r, 'rewound_to')}, the {REPLACED} batches "
+                     "before its largest event replaced; events counted from there")
         if all("caught_up_at" in x for x in r["seeds"].values()):
             extra += (f"; within 0.05 of QK-Norm from scratch from step "
                       f"{per_seed(r, 'caught_up_at')}")

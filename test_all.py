@@ -2635,6 +2635,21 @@ def test_a_warm_start_begins_after_the_first_level_shift_or_else_the_first_spike
     assert E.start_step(rescue, tmp_path) is None  # only a spike inside the warmup
 
 
+def test_a_replace_run_resumes_at_the_last_checkpoint_before_the_replaced_batches(
+        tmp_path, monkeypatch):
+    import experiments as E
+    monkeypatch.setattr(E, "saved_steps", lambda src: [250, 500, 750, 1000])
+    monkeypatch.setattr(E, "largest_event", lambda src: 770)
+    replace = E.BY_NAME["replace-batches"]
+    assert E.rewound_to(replace, tmp_path) == 750  # batches 750:770 replaced
+    monkeypatch.setattr(E, "largest_event", lambda src: 765)
+    assert E.rewound_to(replace, tmp_path) == 500  # 745:765: the checkpoint at 750 is too late
+    monkeypatch.setattr(E, "largest_event", lambda src: 10)
+    assert E.rewound_to(replace, tmp_path) is None  # no checkpoint before: nothing to rewind
+    monkeypatch.setattr(E, "start_step", lambda e, src: 1000)
+    assert E.rewound_to(E.BY_NAME["qk-clip-switched-on"], tmp_path) == 1000
+
+
 def test_the_lr_sweep_reads_final_losses_and_lr_sensitivity_per_seed(tmp_path, monkeypatch):
     import search as SE
     monkeypatch.setattr(SE, "CURVES", tmp_path)
