@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -88,12 +89,11 @@ BY_NAME = {e.name: e for e in EXPERIMENTS}
 NAMES = list(BY_NAME)
 # The figures: name -> (file, title); each draws the rows that name it in `panels`.
 PANELS = {
-    "rescue": ("qk_norm_and_rescue.png", "after the baseline's first level shift: QK-Norm "
-               "inserted (warm start), QK-Clip switched on, the batches before\nits largest "
-               "event replaced; the guard (rollback, then QK-Norm on relapse)"),
+    "rescue": ("qk_norm_and_rescue.png", "the baseline; QK-Norm inserted and QK-Clip switched "
+               "on after its first level shift,\nthe batches before its largest event "
+               "replaced; the guard (rollback; rollback, then QK-Norm)"),
     "marin-32b": ("marin_32b_and_rescue.png", "the 32B's configuration (clip 0.2, skip-step, "
-                  "update-norm clip) and QK-Norm\ninserted into it after its first level shift "
-                  "(its first spike past the warmup where it has none)"),
+                  "update-norm clip);\nQK-Norm inserted into it after its first level shift"),
 }
 
 
@@ -399,19 +399,24 @@ def ema(x: np.ndarray, span: int = 20) -> np.ndarray:
 
 
 def seed_curves(ax, runs: dict, key: str, color, label: str, log: bool = False, raw=True):
-    """Raw mean faint, EMA of the mean bold, band between the seeds' EMAs (min to max)."""
-    steps = next(iter(runs.values()))["step"]
-    n = min(len(m[key]) for m in runs.values())
-    ys = np.array([np.asarray(m[key][:n], dtype=np.float64).reshape(n, -1).max(axis=1)
-                   for m in runs.values()])
+    """Raw mean faint, EMA of the mean bold, band between the seeds' EMAs (min to max); the
+    seeds aligned by step (a warm start begins at a different step in each seed)."""
+    first = min(int(m["step"][0]) for m in runs.values())
+    steps = np.arange(first, max(int(m["step"][-1]) for m in runs.values()) + 1)
+    ys = np.full((len(runs), len(steps)), np.nan)
+    for y, m in zip(ys, runs.values()):
+        v = np.asarray(m[key], dtype=np.float64)
+        y[np.asarray(m["step"], dtype=int) - first] = v.reshape(len(v), -1).max(axis=1)
     if log:
         ys = np.log10(np.where(ys > 0, ys, np.nan))
-    smooth = np.array([ema(y) for y in ys])
-    if raw:
-        ax.plot(steps[:n], np.nanmean(ys, axis=0), color=color, lw=0.5, alpha=0.25)
-    ax.fill_between(steps[:n], smooth.min(axis=0), smooth.max(axis=0), color=color, alpha=0.2,
-                    lw=0)
-    ax.plot(steps[:n], smooth.mean(axis=0), color=color, lw=1.6, label=label)
+    smooth = np.array([np.where(np.isfinite(y), ema(y), np.nan) for y in ys])
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # steps no seed has reached yet
+        if raw:
+            ax.plot(steps, np.nanmean(ys, axis=0), color=color, lw=0.5, alpha=0.25)
+        ax.fill_between(steps, np.nanmin(smooth, axis=0), np.nanmax(smooth, axis=0),
+                        color=color, alpha=0.2, lw=0)
+        ax.plot(steps, np.nanmean(smooth, axis=0), color=color, lw=1.6, label=label)
 
 
 def figures(metrics: dict, rows: dict, out: pathlib.Path) -> list[pathlib.Path]:
@@ -453,8 +458,8 @@ def figures(metrics: dict, rows: dict, out: pathlib.Path) -> list[pathlib.Path]:
         names = [e.name for e in EXPERIMENTS if panel in e.panels and e.name in metrics]
         if not names:
             continue
-        panels(names, f"{title} ({seeds}: mean EMA line, band from the lowest to the highest "
-               "seed)", file)
+        panels(names, f"{title}\n{seeds}: the mean's EMA, a band from the lowest to the highest "
+               "seed's", file)
 
     grid = [n for n in ("baseline", "rescue", "guard-escalate") if n in metrics]
     if grid:
