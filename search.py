@@ -511,6 +511,7 @@ def plot_sweep(record: dict, out: pathlib.Path) -> pathlib.Path:
     axes[1].set_yscale("log")
     for ax in axes:
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # the decades only
         ax.set_xlabel("peak learning rate")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
