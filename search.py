@@ -442,11 +442,16 @@ def lr_sensitivity(finals: dict[str, float], initial: float) -> float:
     return float(np.mean(clipped) - min(clipped))
 
 
+def both_arms(rows: list[dict]) -> list[float]:
+    """The LRs the sweep has finished with and without QK-Norm."""
+    return sorted({r["lr"] for r in rows if r["qk_norm"]}
+                  & {r["lr"] for r in rows if not r["qk_norm"]})
+
+
 def sensitivity(rows: list[dict]) -> dict[bool, list[float]] | None:
     """Wortsman et al.'s LR sensitivity per seed, without and with QK-Norm, over the LRs both
     arms have finished (None before two such LRs)."""
-    lrs = sorted({r["lr"] for r in rows if r["qk_norm"]} & {r["lr"] for r in rows
-                                                           if not r["qk_norm"]})
+    lrs = both_arms(rows)
     if len(lrs) < 2:
         return None
     by = {(r["lr"], r["qk_norm"]): r for r in rows}
@@ -474,8 +479,7 @@ def sweep_markdown(record: dict) -> str:
     sens = sensitivity(rows)
     if sens:
         lrs = sorted({r["lr"] for r in rows})
-        done = sorted({r["lr"] for r in rows if r["qk_norm"]}
-                      & {r["lr"] for r in rows if not r["qk_norm"]})
+        done = both_arms(rows)
         lines.append(
             f"\nLR sensitivity (Wortsman et al.: the mean over the LRs of min(final, initial "
             f"loss) minus the best final loss; a non-finite run counts at the initial loss) over "
