@@ -41,7 +41,7 @@ import tyro
 from checkpoint import saved_steps, strict_json
 from cli import UserError, command, parse
 from config import PRESETS
-from report import find_shifts, find_spikes, read_metrics, summary
+from report import find_shifts, find_spikes, pyplot, read_metrics, save_figure, summary
 
 RUNS, RESULTS = pathlib.Path("runs/exp"), pathlib.Path("results")
 STORY = "story"  # the preset (train.py)
@@ -420,17 +420,12 @@ def seed_curves(ax, runs: dict, key: str, color, label: str, log: bool = False, 
 
 
 def figures(metrics: dict, rows: dict, out: pathlib.Path) -> list[pathlib.Path]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3
     paths = []
 
     def save(fig, name):
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=100)
-        plt.close(fig)
-        paths.append(out / name)
+        paths.append(save_figure(fig, out / name, dpi=100))
 
     def panels(names, title, name):
         fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True,

@@ -354,15 +354,27 @@ def summary(m: dict[str, np.ndarray], rule: SpikeRule = SpikeRule(),
 # ---------------------------------------------------------------------------------------------
 # Figures
 
+def pyplot():
+    """matplotlib's pyplot, drawing to files only (no display needed); imported on first use."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save_figure(fig, path: pathlib.Path, dpi: int) -> pathlib.Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path
+
+
 def plot(runs: dict[str, dict], out: pathlib.Path, rule: SpikeRule = SpikeRule(),
          title: str = "") -> list[pathlib.Path]:
     """Two PNGs: an overview (loss with spikes marked, grad and update norm, the largest
     attention logit, LR, skipped steps; the runs overlaid) and the max attention logit of
     every layer, one panel per run. Returns their paths."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -403,10 +415,7 @@ def plot(runs: dict[str, dict], out: pathlib.Path, rule: SpikeRule = SpikeRule()
     axes[4].set_xlabel("step")
     for ax in axes:
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    paths = [out / "overview.png"]
-    fig.savefig(paths[0], dpi=90)
-    plt.close(fig)
+    paths = [save_figure(fig, out / "overview.png", dpi=90)]
 
     fig, axes = plt.subplots(1, len(runs), figsize=(4 * len(runs), 3.2), sharey=True,
                              squeeze=False)
@@ -419,11 +428,7 @@ def plot(runs: dict[str, dict], out: pathlib.Path, rule: SpikeRule = SpikeRule()
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("max |attention logit|")
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out / "attn_logits.png")
-    fig.savefig(paths[1], dpi=90)
-    plt.close(fig)
-    return paths
+    return paths + [save_figure(fig, out / "attn_logits.png", dpi=90)]
 
 
 @dataclasses.dataclass(frozen=True)

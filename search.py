@@ -41,7 +41,7 @@ from data import TokenData
 from experiments import ema, update_readme
 from model import decay_mask, init_params, loss_fn
 from optim import make_optimizer, opt_metrics
-from report import find_shifts, find_spikes, spike_score
+from report import find_shifts, find_spikes, pyplot, save_figure, spike_score
 from train import per_layer_metrics
 
 OUT = pathlib.Path("results/search.json")
@@ -496,9 +496,7 @@ def sweep_markdown(record: dict) -> str:
 def plot_sweep(record: dict, out: pathlib.Path) -> pathlib.Path:
     """results/lr_sweep.png: held-out loss at the end against the LR, without and with
     QK-Norm (mean over seeds, bars from the lowest to the highest seed); the max logit."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     rows = sweep_rows(record)
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
     for qk, color, label in ((False, "C0", "without QK-Norm"), (True, "C1", "with QK-Norm")):
@@ -515,25 +513,19 @@ def plot_sweep(record: dict, out: pathlib.Path) -> pathlib.Path:
     axes[1].set_yscale("log")
     for ax in axes:
         ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # the decades only
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())  # the decades only
         ax.set_xlabel("peak learning rate")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     axes[0].set_title("the story regime's LR sweep (3 seeds; bars: lowest to highest seed)",
                       fontsize=9)
-    fig.tight_layout()
-    path = out / "lr_sweep.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / "lr_sweep.png", dpi=100)
 
 
 def plot_levers(record: dict, out: pathlib.Path) -> pathlib.Path:
     """results/levers.png: per lever, each seed's train loss (EMA 20) beside the baseline's
     (grey) and QK-Norm's (dashed); level shifts as crosses."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     done = [g.name for g in LEVERS if g.name in record["groups"]]
     cols = 3
     fig, axes = plt.subplots(-(-len(done) // cols), cols, figsize=(12, 2.8 * -(-len(done) // cols)),
@@ -558,20 +550,14 @@ def plot_levers(record: dict, out: pathlib.Path) -> pathlib.Path:
     fig.suptitle("each lever from scratch on the story regime (colour, one line per seed; "
                  "crosses: level shifts)\nagainst the baseline (grey) and QK-Norm (dashed): "
                  "train loss, EMA 20, nats/byte", fontsize=10)
-    fig.tight_layout()
-    path = out / "levers.png"
-    fig.savefig(path, dpi=75)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / "levers.png", dpi=75)
 
 
 def plot(record: dict, out: pathlib.Path) -> pathlib.Path:
     """results/search.png: for each group with a QK-Norm twin, one panel per LR the two share:
     each seed's train loss (EMA, span 20) without QK-Norm (solid) and with it (dashed), the
     one-step spikes as dots and the level shifts as crosses on the run without."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     pairs = [(g, lr) for g, v in record["groups"].items()
              if g + "-qk" in record["groups"] and g not in SWEEP_NAMES
              for lr in v["lrs"] if lr in record["groups"][g + "-qk"]["lrs"]]
@@ -597,11 +583,7 @@ def plot(record: dict, out: pathlib.Path) -> pathlib.Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
     axes[-1, 0].set_xlabel("step")
-    fig.tight_layout()
-    path = out / "search.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / "search.png", dpi=100)
 
 
 def load() -> dict:
