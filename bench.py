@@ -2,6 +2,8 @@
 
     python bench.py                  # ~18 minutes on 2 idle cores; writes bench/results.json
     python bench.py --rounds 3       # quicker, noisier
+    python bench.py --story          # where the story preset's step time goes (~4 minutes);
+                                     # writes bench/results-story.json
     python bench.py --accelerator    # one GPU: a 0.9B model at seq 4,096 in bfloat16 (~2 min);
                                      # writes bench/results-gpu.json
 
@@ -61,6 +63,7 @@ import attention as A
 import checkpoint as C
 import model as M
 import optim as O
+import search as S
 import train as T
 import warmstart as W
 from config import PRESETS, TrainConfig, config_from_dict
@@ -203,7 +206,7 @@ def variant_timer(spec: dict, tmp: pathlib.Path):
     saves = itertools.count()
 
     def run(n):
-        nonlocal state
+        nonlocal state, m
         seen = len(COMPILES)
         with jax.set_mesh(mesh):
             t = time.perf_counter()
@@ -211,7 +214,10 @@ def variant_timer(spec: dict, tmp: pathlib.Path):
                 C.save_checkpoint(mngr, next(saves), state, spec["config"])
             with jax.transfer_guard("disallow"):  # raises on any implicit host<->device transfer
                 for _ in range(n):
-                    state, m = step(state, tokens)
+                    state, new = step(state, tokens)
+                    if spec.get("read"):  # as train.py's Log: step s-1's metrics once s is queued
+                        jax.device_get(m)
+                    m = new
                 jax.block_until_ready(m)
             elapsed = (time.perf_counter() - t) / n
             if mngr is not None:
@@ -262,11 +268,12 @@ def own_cpu_seconds() -> float:
                                                   resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
-def step_spec(c, plain_adamw=False, save=False) -> dict:
+def step_spec(c, plain_adamw=False, save=False, read=False) -> dict:
     """A step variant for variant_timer (and a worker): config c, optionally with plain AdamW
-    + clip instead of make_tx's chain, or with an orbax save before each turn."""
+    + clip instead of make_tx's chain, with an orbax save before each turn, or reading each
+    step's metrics to the host as train.py's loop does."""
     return {"kind": "step", "config": dataclasses.asdict(c), "plain_adamw": plain_adamw,
-            "save": save}
+            "save": save, "read": read}
 
 
 def variant_specs(cfg, seq_lens) -> dict:
@@ -415,6 +422,8 @@ def main():
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--accelerator", action="store_true",
                         help="one GPU instead: a 0.9B model at seq 4,096 in bfloat16")
+    parser.add_argument("--story", action="store_true",
+                        help="where the story preset's step time goes (~4 minutes)")
     parser.add_argument("--out", help="results file (default bench/results.json, "
                         "bench/results-gpu.json with --accelerator)")
     args = parser.parse_args()
@@ -422,6 +431,8 @@ def main():
         return worker()
     if args.accelerator:
         return accelerator_main(args)
+    if args.story:
+        return story_main(args)
     cfg = PRESETS["cpu"]
     load = os.getloadavg()[0]
     wall, busy, own = time.perf_counter(), cpu_busy_seconds(), own_cpu_seconds()
@@ -687,6 +698,78 @@ def accelerator_main(args) -> int:
                                               if mem else ""))
     if "overheads" in r:
         print(f"QK-Norm overhead {r['overheads']['qk_norm']:+.1%} (target <= 3%)")
+    print(f"wrote {out}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# bench.py --story: where the story preset's step time goes
+
+STORY_STEPS_PER_TURN = 50  # a story step is ~1/15 of a cpu-preset step
+
+
+def story_main(args) -> int:
+    """The story preset's step (d_model 64, 16 x 128 tokens: a few GFLOP, so dispatch, host
+    reads and bookkeeping weigh), timed four ways in this one process: the compiled step alone
+    (no host read), without the per-layer metrics, reading each step's metrics to the host as
+    train.py's loop does (three timers in turns, medians of the rounds); the whole train.py loop
+    (batches, the metrics file, evals and checkpoints every 250 steps); the search harness per
+    member-step (search.py: 3 seeds in one vmapped step, 50 steps a dispatch)."""
+    jax.monitoring.register_event_duration_secs_listener(count_compile)
+    cfg = dataclasses.replace(PRESETS["story"], steps=10**6)  # the LR schedule's horizon only
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        print(f"note: load average {load:.1f} at the start: let other work finish first")
+    wall, busy, own = time.perf_counter(), cpu_busy_seconds(), own_cpu_seconds()
+    n = STORY_STEPS_PER_TURN
+    variants = {"step alone": step_spec(cfg),
+                "without per-layer metrics": step_spec(dataclasses.replace(
+                    cfg, per_layer_metrics=False)),
+                "reading the metrics each step": step_spec(cfg, read=True)}
+    with tempfile.TemporaryDirectory() as tmp:
+        print(f"1/3 the compiled step, three ways in turns ({args.rounds} rounds of {n} steps)",
+              flush=True)
+        timers = {name: variant_timer(spec, pathlib.Path(tmp) / str(i))
+                  for i, (name, spec) in enumerate(variants.items())}
+        rounds = {name: [] for name in timers}
+        for r in range(args.rounds):
+            order = list(timers) if r % 2 == 0 else list(timers)[::-1]
+            for name in order:
+                rounds[name].append(timers[name](n))
+        del timers
+        steps = 500
+        print(f"2/3 the train.py loop: {steps} steps of `python train.py story`", flush=True)
+        run = dataclasses.replace(PRESETS["story"], steps=steps, run_dir=f"{tmp}/run")
+        with contextlib.redirect_stdout(io.StringIO()):
+            last = T.train(run)
+        loop_s = run.data.batch_size * run.data.seq_len / last["avg_tokens_per_s"]
+    print("3/3 the search harness: 3 seeds, 50 and 350 steps (the difference: 300 steps, "
+          "no compile)", flush=True)
+    seconds = [S.train_group(dataclasses.replace(S.STORY, steps=k), eval_every=k,
+                             log=lambda _: None)["seconds"] for k in (50, 350)]
+    harness_s = (seconds[1] - seconds[0]) / (300 * len(S.STORY.seeds))
+    other = (cpu_busy_seconds() - busy) - (own_cpu_seconds() - own)
+    r = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu": cpu_name(),
+                     "jax": jax.__version__},
+         "preset": "story", "steps_per_turn": n, "rounds_s": rounds,
+         "step_s": {name: statistics.median(t) for name, t in rounds.items()},
+         "train_loop_step_s": loop_s, "harness_member_step_s": harness_s,
+         "flops_per_step": M.flops_per_token(cfg.model, cfg.data.seq_len)
+         * cfg.data.batch_size * cfg.data.seq_len,
+         "other_processes_cpu_fraction": other / ((time.perf_counter() - wall) * os.cpu_count())}
+    print(f"\nthe story preset's step ({r['flops_per_step'] / 1e9:.1f} GFLOP), ms a step "
+          f"(medians of {args.rounds} rounds; their range):")
+    for name, t in rounds.items():
+        print(f"  {name:<48} {statistics.median(t) * 1e3:6.1f}  "
+              f"({min(t) * 1e3:.1f} .. {max(t) * 1e3:.1f})")
+    print(f"  {'the whole train.py loop':<48} {loop_s * 1e3:6.1f}")
+    print(f"  {'the search harness, per member-step':<48} {harness_s * 1e3:6.1f}")
+    if r["other_processes_cpu_fraction"] > 0.05:
+        print(f"WARNING: other processes used {r['other_processes_cpu_fraction']:.0%} of the "
+              "CPU while the steps were timed: these figures are not from an idle machine")
+    out = pathlib.Path(args.out or "bench/results-story.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(r, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
 
