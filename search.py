@@ -320,8 +320,8 @@ def summary(rows: list[dict]) -> str:
                      f"{v['qk_eval'] if v['qk_eval'] is None else round(v['qk_eval'], 3)!s:>6} "
                      f"{v['max_logit']:>9.3g}")
     found = story_found(verdicts)
-    lines.append("story regime found: " + (", ".join(f"{g} at LR {lr:g}" for g, lr in found)
-                                           if found else "none yet"))
+    lines.append("every seed learns, then has >= 3 one-step spikes after S1 (these runs): "
+                 + (", ".join(f"{g} at LR {lr:g}" for g, lr in found) if found else "none"))
     return "\n".join(lines)
 
 
@@ -516,6 +516,7 @@ def plot_sweep(record: dict, out: pathlib.Path) -> pathlib.Path:
         ax.xaxis.set_minor_formatter(plt.NullFormatter())  # the decades only
         ax.set_xlabel("peak learning rate")
         ax.grid(alpha=0.3)
+        ax.axvline(STORY.lrs[0], color="0.5", ls=":", label=f"the story's LR, {STORY.lrs[0]:g}")
     axes[0].legend(fontsize=8)
     axes[0].set_title("the story regime's LR sweep (3 seeds; bars: lowest to highest seed)",
                       fontsize=9)
