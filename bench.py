@@ -2,7 +2,7 @@
 
     python bench.py                  # ~18 minutes on 2 idle cores; writes bench/results.json
     python bench.py --rounds 3       # quicker, noisier
-    python bench.py --story          # where the story preset's step time goes (~4 minutes);
+    python bench.py --story          # where the story preset's step time goes (~5 minutes);
                                      # writes bench/results-story.json
     python bench.py --accelerator    # one GPU: a 0.9B model at seq 4,096 in bfloat16 (~2 min);
                                      # writes bench/results-gpu.json
@@ -215,7 +215,7 @@ def variant_timer(spec: dict, tmp: pathlib.Path):
             with jax.transfer_guard("disallow"):  # raises on any implicit host<->device transfer
                 for _ in range(n):
                     state, new = step(state, tokens)
-                    if spec.get("read"):  # as train.py's Log: step s-1's metrics once s is queued
+                    if spec["read"]:  # as train.py's Log: step s-1's metrics once s is queued
                         jax.device_get(m)
                     m = new
                 jax.block_until_ready(m)
@@ -423,9 +423,10 @@ def main():
     parser.add_argument("--accelerator", action="store_true",
                         help="one GPU instead: a 0.9B model at seq 4,096 in bfloat16")
     parser.add_argument("--story", action="store_true",
-                        help="where the story preset's step time goes (~4 minutes)")
-    parser.add_argument("--out", help="results file (default bench/results.json, "
-                        "bench/results-gpu.json with --accelerator)")
+                        help="where the story preset's step time goes (~5 minutes)")
+    parser.add_argument("--out", help="results file (default bench/results.json; "
+                        "bench/results-story.json with --story, bench/results-gpu.json with "
+                        "--accelerator)")
     args = parser.parse_args()
     if args.worker:
         return worker()
@@ -710,13 +711,13 @@ STORY_STEPS_PER_TURN = 50  # a story step is ~1/15 of a cpu-preset step
 
 def story_main(args) -> int:
     """The story preset's step (d_model 64, 16 x 128 tokens: a few GFLOP, so dispatch, host
-    reads and bookkeeping weigh), timed four ways in this one process: the compiled step alone
+    reads and bookkeeping could weigh), timed five ways in this one process: the compiled step alone
     (no host read), without the per-layer metrics, reading each step's metrics to the host as
     train.py's loop does (three timers in turns, medians of the rounds); the whole train.py loop
     (batches, the metrics file, evals and checkpoints every 250 steps); the search harness per
     member-step (search.py: 3 seeds in one vmapped step, 50 steps a dispatch)."""
     jax.monitoring.register_event_duration_secs_listener(count_compile)
-    cfg = dataclasses.replace(PRESETS["story"], steps=10**6)  # the LR schedule's horizon only
+    cfg = PRESETS["story"]
     load = os.getloadavg()[0]
     if load > 0.5:
         print(f"note: load average {load:.1f} at the start: let other work finish first")
@@ -739,7 +740,7 @@ def story_main(args) -> int:
         del timers
         steps = 500
         print(f"2/3 the train.py loop: {steps} steps of `python train.py story`", flush=True)
-        run = dataclasses.replace(PRESETS["story"], steps=steps, run_dir=f"{tmp}/run")
+        run = dataclasses.replace(cfg, steps=steps, run_dir=f"{tmp}/run")
         with contextlib.redirect_stdout(io.StringIO()):
             last = T.train(run)
         loop_s = run.data.batch_size * run.data.seq_len / last["avg_tokens_per_s"]
