@@ -410,7 +410,7 @@ def seed_curves(ax, runs: dict, key: str, color, label: str, log: bool = False, 
     if log:
         ys = np.log10(np.where(ys > 0, ys, np.nan))
     smooth = np.array([np.where(np.isfinite(y), ema(y), np.nan) for y in ys])
-    with np.errstate(all="ignore"), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # steps no seed has reached yet
         if raw:
             ax.plot(steps, np.nanmean(ys, axis=0), color=color, lw=0.5, alpha=0.25)
