@@ -92,7 +92,7 @@ PRESETS = {
     # (results/search.json): it learns like its QK-Norm twin to step 500-1,250, then breaks
     # with level shifts that never come back (~8 minutes on 2 cores).
     "story": TrainConfig(
-        model=ModelConfig(d_model=64, d_ff=172),
+        model=ModelConfig(d_model=64, d_ff=172, scan_layers=False),  # 4 layers: unrolled
         optim=OptimConfig(lr=5e-2, warmup_steps=1000, b2=0.95, weight_decay=0.1,
                           max_grad_norm=0.0, min_lr_ratio=1.0),
         data=DataConfig(batch_size=16, eval_sequences=64),

@@ -24,6 +24,8 @@ run is compared with the QK-Norm run of the same group settings.
 """
 
 import dataclasses
+import fcntl
+import functools
 import json
 import math
 import pathlib
@@ -33,19 +35,19 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
+import train as T
+from checkpoint import init_state
 from cli import UserError, command
-from config import PRESETS
+from config import PRESETS, TrainConfig
 from data import TokenData
-from experiments import ema, update_readme
-from model import decay_mask, init_params, loss_fn
-from optim import make_optimizer, opt_metrics
+from experiments import ema, machine, update_readme
+from model import loss_fn
 from report import find_shifts, find_spikes, pyplot, save_figure, spike_score
-from train import per_layer_metrics
 
 OUT = pathlib.Path("results/search.json")
-CURVES = pathlib.Path("results/search")
+CURVES = pathlib.Path("results/search")  # the groups run before the evidence: GROUP.npz
+SEED_CURVES = pathlib.Path("results/curves")  # since: GROUP/seedN.npz, one file per member
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,23 +72,18 @@ class Group:
     optim: tuple[tuple[str, object], ...] = ()  # a lever: OptimConfig fields, (name, value)
     model: tuple[tuple[str, object], ...] = ()  # ...or ModelConfig fields
     compare_with: str = ""  # the QK-Norm group S1 is taken against (default: NAME-qk)
+    fork: str = ""  # a mid-run arm: QK-Norm inserted into this group's runs (see fork_steps)
+    snapshot_every: int = 0  # keep the stacked train state every N steps (a fork's source)
 
-    def __post_init__(self):
-        if self.qk_clip and len(self.lrs) != 1:  # QK-Clip rescales weights after the LR
-            raise ValueError(f"{self.name}: a QK-Clip group runs one LR")
-
-    @property
-    def qk_clip(self) -> bool:
-        return dict(self.optim).get("qk_clip", 0) > 0
-
-    def config(self):
+    def config(self, lr: float | None = None) -> TrainConfig:
+        """train.py's config of one member at `lr` (default: the group's first LR)."""
         base = PRESETS["story"]
         model = dataclasses.replace(
             base.model, d_model=self.d_model, d_ff=round(8 / 3 * self.d_model / 4) * 4,
             n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
-            qk_norm=self.qk_norm, z_loss_weight=self.z_loss_weight, attention="auto",
-            **dict(self.model))
-        optim = dataclasses.replace(base.optim, lr=self.lrs[0] if self.qk_clip else 1.0,
+            qk_norm=self.qk_norm, z_loss_weight=self.z_loss_weight,
+            **({"attention": "auto"} | dict(self.model)))
+        optim = dataclasses.replace(base.optim, lr=self.lrs[0] if lr is None else lr,
                                     b2=self.b2, eps=self.eps, weight_decay=self.weight_decay,
                                     warmup_steps=self.warmup_steps, max_grad_norm=0.0,
                                     min_lr_ratio=1.0)
@@ -98,7 +95,7 @@ class Group:
     def settings(self) -> dict:
         d = dataclasses.asdict(self) | {"optim": dict(self.optim), "model": dict(self.model)}
         return {k: v for k, v in d.items() if k not in ("name", "lrs", "seeds", "compare_with")
-                and (k not in ("optim", "model") or v)}
+                and (k not in ("optim", "model", "fork", "snapshot_every") or v)}
 
 
 def twin(g: Group, **kw) -> Group:
@@ -160,85 +157,118 @@ SWEEP = [g for lr in SWEEP_LRS for base in [dataclasses.replace(STORY, name=f"st
          for g in (base, twin(base))]
 GROUPS += SWEEP
 SWEEP_NAMES = {g.name for g in SWEEP}
+# The evidence: the story regime over 8 seeds (init and data order both drawn from the seed),
+# with train.py's own step (unrolled layers, the story preset's since then): the baseline
+# (keeping its state every 250 steps, where a warm start can begin), its QK-Norm twin, the 32B's
+# three levers, and QK-Norm inserted mid-run (fork_steps) with a 100-step re-warmup from 0.1x.
+EVIDENCE_SEEDS = tuple(range(8))
+EVIDENCE = dataclasses.replace(STORY, name="story8", seeds=EVIDENCE_SEEDS, snapshot_every=250)
+EVIDENCE_GROUPS = [
+    EVIDENCE, twin(EVIDENCE, snapshot_every=0),
+    dataclasses.replace(LEVERS[0], name="story8-marin-32b", seeds=EVIDENCE_SEEDS,
+                        compare_with="story8-qk"),
+    dataclasses.replace(EVIDENCE, name="story8-qk-inserted", qk_norm=True, fork="story8",
+                        snapshot_every=0, compare_with="story8-qk",
+                        optim=(("rewarmup_steps", 100), ("rewarmup_from_ratio", 0.1))),
+]
+GROUPS += EVIDENCE_GROUPS
+EVIDENCE_NAMES = {g.name for g in EVIDENCE_GROUPS}
 COMPARE = {g.name: g.compare_with for g in GROUPS if g.compare_with}
 
 
 # ---------------------------------------------------------------------------------------------
-# The stacked trainer
+# The stacked trainer: train.py's own step, vmapped over seeds
 
 def member_grid(g: Group) -> list[tuple[float, int]]:
     return [(lr, seed) for lr in g.lrs for seed in g.seeds]
 
 
-def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print) -> dict:
-    """Train every member of `g`; returns per-member arrays (loss, grad/update norms, max
-    logit per layer, held-out loss every `eval_every` steps)."""
-    cfg = g.config()
-    members = member_grid(g)
-    lr_M = jnp.array([1.0 if g.qk_clip else lr for lr, _ in members], jnp.float32)
-    tx = make_optimizer(cfg.optim, cfg.steps, decay_mask(cfg.model))
+# What a member's stored curve keeps of the step's metrics: the headline series in float32 (the
+# event rules read them), the per-layer series in float16 (figures and early-warning signals).
+CURVE_F32 = ("loss", "grad_norm", "update_norm", "attn_logit_max", "skipped")
 
-    def init(seed):
-        params = init_params(cfg.model, jax.random.key(seed))
-        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
-    def one_step(state, tokens_BT1, lr):
-        stats = {"head_stats": True} if g.qk_clip else {}  # as train.py's step
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state["params"], tokens_BT1, cfg.model, **stats)
-        heads = {"attn_logit_max_per_head": aux.pop("attn_logit_max_per_head")} if stats else {}
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"], loss=loss,
-                                       step=state["step"], **heads)
-        updates = jax.tree.map(lambda u: lr * u, updates)
-        om = opt_metrics(opt_state)
-        metrics = {"loss": loss, "grad_norm": om["grad_norm"], "update_norm": om["update_norm"],
-                   "skipped": om["skipped"],
-                   "attn_logit_max": aux["attn_logit_max"],
-                   **per_layer_metrics(state["params"], grads, updates, opt_state)}
-        params = optax.apply_updates(state["params"], updates)
-        if g.qk_clip:  # its rescale comes back sharded by head; the carry keeps its own type
-            params = jax.tree.map(lambda p, p0: jax.reshard(p, jax.typeof(p0).sharding.spec),
-                                  params, state["params"])
-        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+def train_members(cfg: TrainConfig, seeds, chunk: int = 50, eval_every: int = 250,
+                  log=print, state=None, snapshot_at=(), snapshot=None) -> dict:
+    """Train one member per seed (init seed and data seed both = the seed) with train.py's step
+    (`build_train_step`), vmapped over the members and scanned `chunk` steps at a time: one
+    dispatch and one host read per chunk. `state`: a stacked train state to go on from (a fork);
+    `snapshot(step, state)` is called after each step in `snapshot_at`. Returns [M, steps, ...]
+    arrays of every metric of the step, the held-out loss every `eval_every` steps and the
+    seconds it took."""
+    tx = T.make_tx(cfg)
+    step_fn = T.build_train_step(cfg, tx)
+    qk_clip = cfg.optim.qk_clip > 0
 
-    def run_chunk(state, tokens_CMBT1):
-        return jax.lax.scan(lambda s, t: jax.vmap(one_step)(s, t, lr_M), state, tokens_CMBT1)
+    def body(state, tokens_MBT1):
+        new, metrics = jax.vmap(step_fn)(state, tokens_MBT1)
+        if qk_clip:  # its rescale comes back sharded by head; the scan's carry keeps its type
+            new = jax.tree.map(lambda p, p0: jax.reshard(p, jax.typeof(p0).sharding.spec),
+                               new, state)
+        metrics.pop("lr")  # the schedule's, the same for every member
+        return new, metrics
 
-    def evaluate(params, tokens_EBT1):
+    def evaluate(params, tokens_CBT1):
         return jnp.mean(jax.lax.map(lambda t: loss_fn(params, t, cfg.model)[1]["ce"],
-                                    tokens_EBT1))
+                                    tokens_CBT1))
 
     mesh = jax.make_mesh((1, 1), ("data", "model"),
                          axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    seeds_M = jnp.array(seeds)
+    datas = [TokenData(dataclasses.replace(cfg.data, seed=s), cfg.model.vocab_size)
+             for s in seeds]
     with jax.set_mesh(mesh):
-        return stacked_run(g, cfg, members, init, run_chunk, evaluate, chunk, eval_every, log)
-
-
-def stacked_run(g, cfg, members, init, run_chunk, evaluate, chunk, eval_every, log) -> dict:
-    state = jax.jit(jax.vmap(init))(jnp.array([s for _, s in members]))
-    step_fn = jax.jit(run_chunk, donate_argnums=0)
-    eval_fn = jax.jit(jax.vmap(evaluate, in_axes=(0, None)))
-    datas = {s: TokenData(dataclasses.replace(cfg.data, seed=s)) for s in g.seeds}
-    held_out = jnp.asarray(datas[g.seeds[0]].held_out_batches())
-    out: dict = {}
-    evals, t0 = [], time.time()
-    for c0 in range(0, g.steps, chunk):
-        tokens = np.stack([np.stack([datas[s].batch(c0 + i) for _, s in members])
-                           for i in range(min(chunk, g.steps - c0))])
-        state, metrics = step_fn(state, tokens)
-        for k, v in jax.device_get(metrics).items():  # [chunk, M, ...]
-            out.setdefault(k, []).append(v)
-        done = min(c0 + chunk, g.steps)
-        if done % eval_every == 0 or done == g.steps:
-            evals.append((done, np.asarray(eval_fn(state["params"], held_out))))
-            loss_now = np.mean(out["loss"][-1], axis=0)
-            log(f"  {g.name} step {done}/{g.steps}: train "
-                + " ".join(f"{x:.2f}" for x in loss_now) + f" ({time.time() - t0:.0f} s)")
+        if state is None:
+            state = jax.jit(jax.vmap(lambda s: init_state(cfg.model, s, tx)))(seeds_M)
+        run_chunk = jax.jit(lambda s, t: jax.lax.scan(body, s, t), donate_argnums=0)
+        eval_fn = jax.jit(jax.vmap(evaluate, in_axes=(0, None)))
+        held_out = jnp.asarray(datas[0].held_out_batches())
+        first = int(state["step"][0])
+        out: dict = {}
+        evals, t0, chunk_s = [], time.time(), []
+        c0 = first
+        while c0 < cfg.steps:
+            t = time.time()
+            n = min(chunk, cfg.steps - c0, *[s - c0 for s in snapshot_at if s > c0])
+            tokens = np.stack([np.stack([d.batch(c0 + i) for d in datas]) for i in range(n)])
+            state, metrics = run_chunk(state, tokens)
+            for k, v in jax.device_get(metrics).items():  # [n, M, ...]
+                out.setdefault(k, []).append(v)
+            chunk_s.append((n, time.time() - t))  # batches, dispatch, compute, host read
+            c0 += n
+            if c0 % eval_every == 0 or c0 == cfg.steps:
+                evals.append((c0, np.asarray(eval_fn(state["params"], held_out))))
+                log(f"  step {c0}/{cfg.steps}: train "
+                    + " ".join(f"{x:.2f}" for x in out["loss"][-1][-1])
+                    + f" ({time.time() - t0:.0f} s)")
+            if c0 in snapshot_at and snapshot is not None:
+                snapshot(c0, state)
     arrays = {k: np.concatenate(v).swapaxes(0, 1) for k, v in out.items()}  # [M, steps, ...]
+    arrays["first_step"] = np.int64(first)
     arrays["eval_step"] = np.array([s for s, _ in evals])
     arrays["eval_loss"] = np.stack([e for _, e in evals], axis=1)  # [M, evals]
     arrays["seconds"] = time.time() - t0
+    arrays["chunk_seconds"] = np.array(chunk_s)  # [chunks, 2]: steps, seconds (the 1st compiles)
     return arrays
+
+
+def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print) -> dict:
+    """Train every member of `g` (one compiled step per LR, the seeds vmapped in it); returns
+    per-member arrays in member_grid order."""
+    parts = [train_members(g.config(lr), g.seeds, chunk, eval_every,
+                           log=lambda s, lr=lr: log(f"{g.name} LR {lr:g}{s}"))
+             for lr in g.lrs]
+    arrays = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]
+              if k not in ("eval_step", "seconds", "first_step", "chunk_seconds")}
+    return arrays | {"eval_step": parts[0]["eval_step"], "first_step": parts[0]["first_step"],
+                     "seconds": sum(p["seconds"] for p in parts)}
+
+
+def curve_arrays(a: dict) -> dict:
+    """What a group's stored curves keep (CURVE_F32 in float32, the rest in float16)."""
+    return {k: (v if k in CURVE_F32 or k in ("eval_step", "eval_loss", "first_step")
+                else np.asarray(v, np.float16)) for k, v in a.items()
+            if k not in ("seconds", "chunk_seconds")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,18 +282,27 @@ def events_after(loss, update_norm, after: int) -> tuple[int, int]:
             sum(s.step >= after for s in find_shifts(m)))
 
 
-def outcomes(g: Group, a: dict) -> list[dict]:
+def outcomes(g: Group, members: list[tuple[float, int, dict, int]]) -> list[dict]:
+    """Per member (lr, seed, arrays, index): report.py's events (steps counted from 0; a fork's
+    on its source's curve up to the fork, then its own: the detectors armed), held-out, max
+    logit."""
     rows = []
-    for i, (lr, seed) in enumerate(member_grid(g)):
+    for lr, seed, a, i in members:
+        first = int(a["first_step"])
         loss = a["loss"][i].astype(np.float64)
-        m = {"step": np.arange(len(loss)), "loss": loss, "update_norm": a["update_norm"][i]}
+        update = a["update_norm"][i]
+        if first:
+            src = np.load(SEED_CURVES / g.fork / f"seed{seed}.npz")
+            loss = np.concatenate([src["loss"][:first].astype(np.float64), loss])
+            update = np.concatenate([src["update_norm"][:first], update])
+        m = {"step": np.arange(len(loss)), "loss": loss, "update_norm": update}
         spikes, shifts = find_spikes(m), find_shifts(m)
         rows.append({
-            "group": g.name, "lr": lr, "seed": seed, **g.settings(),
+            "group": g.name, "lr": lr, "seed": seed, **g.settings(), "first_step": first,
             "eval_step": a["eval_step"].tolist(),
             "eval_loss": [round(float(x), 4) for x in a["eval_loss"][i]],
-            "spike_steps": [s.step for s in spikes],
-            "shift_steps": [s.step for s in shifts],
+            "spike_steps": [s.step for s in spikes if s.step >= first],
+            "shift_steps": [s.step for s in shifts if s.step >= first],
             "max_attn_logit": float(np.nanmax(a["attn_logit_max"][i])),
             "skipped_steps": int(np.sum(a["skipped"][i])) if "skipped" in a else 0,
             "final_loss_100": float(np.nanmean(loss[-100:])),
@@ -331,7 +370,7 @@ def markdown(rows: list[dict]) -> str:
     verdicts = {(v["group"], v["lr"], v["seed"]): v for v in judge(rows)}
     cells: dict = {}
     for r in rows:
-        if r["group"] not in SWEEP_NAMES:  # the LR sweep has its own table
+        if r["group"] not in SWEEP_NAMES | EVIDENCE_NAMES:  # these have their own tables
             cells.setdefault((r["group"], r["lr"]), []).append(r)
     lines = ["| group | β2 | ε | warmup | LR | spikes per seed | level shifts | S1 (vs QK-Norm) | "
              "held-out (nats/byte) | max attn logit | spike steps |", "|---" * 11 + "|"]
@@ -591,28 +630,125 @@ def load() -> dict:
     return json.loads(OUT.read_text()) if OUT.exists() else {"machine": {}, "groups": {}}
 
 
-def save(record: dict) -> None:
+def save_group(name: str, entry: dict) -> None:
+    """Add one group's record to results/search.json, under a lock: several search.py processes
+    (one per core) may finish groups at the same time."""
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    tmp = OUT.with_suffix(".json.partial")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    tmp.replace(OUT)
+    with open(OUT.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        record = load()
+        record["groups"][name] = entry
+        tmp = OUT.with_suffix(".json.partial")
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        tmp.replace(OUT)
+
+
+# A fork's source keeps its stacked train state here (not under results/: ~20 MB a snapshot).
+SNAPSHOTS = pathlib.Path("runs/search")
+
+
+def save_snapshot(group: str, step: int, state) -> None:
+    path = SNAPSHOTS / group / f"step-{step}.npz"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(state))
+    np.savez(path.with_suffix(".partial.npz"),
+             **{jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves})
+    path.with_suffix(".partial.npz").replace(path)
+
+
+def load_snapshot(group: str, step: int, like) -> dict:
+    """The stacked state `group` kept at `step`, in the structure of `like` (no pickle)."""
+    path = SNAPSHOTS / group / f"step-{step}.npz"
+    if not path.is_file():
+        raise UserError(f"{path} is missing: run python search.py {group} first (it keeps its "
+                        "state every 250 steps there)")
+    with np.load(path) as f:
+        arrays = dict(f)
+    flat, tree = jax.tree_util.tree_flatten_with_path(like)
+    return jax.tree_util.tree_unflatten(tree, [jnp.asarray(arrays[jax.tree_util.keystr(p)])
+                                               for p, _ in flat])
+
+
+def fork_steps(g: Group) -> dict[int, int]:
+    """seed -> the step a fork of g.fork starts from: the first 250-step boundary after the
+    source seed's first level shift, or where it has none, after its first one-step spike past
+    the warmup (experiments.py's rule for the train.py rescues); seeds with neither are left
+    out. Read from the source's stored curves."""
+    src = next(x for x in GROUPS if x.name == g.fork)
+    out = {}
+    for seed in g.seeds:
+        c = np.load(SEED_CURVES / src.name / f"seed{seed}.npz")
+        m = {"step": np.arange(len(c["loss"])), "loss": c["loss"].astype(np.float64),
+             "update_norm": c["update_norm"]}
+        events = find_shifts(m) or [e for e in find_spikes(m) if e.step >= g.warmup_steps]
+        if events:
+            out[seed] = (events[0].step // src.snapshot_every + 1) * src.snapshot_every
+    return out
+
+
+def member(stacked, i: int):
+    """Member i of a stacked (vmapped) pytree."""
+    return jax.tree.map(lambda x: x[i], stacked)
+
+
+def train_fork(g: Group, log=print) -> dict:
+    """QK-Norm inserted into each seed of g.fork at its fork step (train.py's in-process carry,
+    as the guard's escalation and warmstart.py do: every leaf kept, the new scales at 1 with
+    zero moments), a re-warmup from that step, then on to g.steps. Returns per-member arrays
+    that start at the fork step (`first_step` per member)."""
+    starts = fork_steps(g)
+    src = next(x for x in GROUPS if x.name == g.fork)
+    src_cfg = src.config()
+    src_tx = T.make_tx(src_cfg)
+    mesh = jax.make_mesh((1, 1), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh):
+        like = jax.eval_shape(jax.vmap(lambda s: init_state(src_cfg.model, s, src_tx)),
+                              jnp.array(src.seeds))
+    parts = {}
+    for at in sorted(set(starts.values())):
+        seeds = tuple(s for s in g.seeds if starts[s] == at)
+        cfg = g.config()
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, rewarmup_start=at))
+        with jax.set_mesh(mesh):
+            stacked = load_snapshot(src.name, at, like)
+            members = [T.insert_qk_norm(cfg, member(stacked, src.seeds.index(s)), mesh)
+                       for s in seeds]
+            state = jax.tree.map(lambda *xs: jnp.stack(xs), *members)
+        log(f"{g.name}: seeds {', '.join(map(str, seeds))} from step {at}")
+        parts[at] = (seeds, train_members(cfg, seeds, state=state,
+                                          log=lambda s, at=at: log(f"{g.name} from {at}{s}")))
+    return {"parts": parts}
 
 
 def run(groups: list[Group]) -> None:
-    record = load()
     for g in groups:
-        if g.name in record["groups"]:
+        if g.name in load()["groups"]:
             continue
         print(f"{g.name}: {len(member_grid(g))} members, {g.steps} steps", flush=True)
-        a = train_group(g, log=lambda s: print(s, flush=True))
-        CURVES.mkdir(parents=True, exist_ok=True)
-        np.savez_compressed(CURVES / f"{g.name}.npz", **{k: v for k, v in a.items()
-                                                          if k != "seconds"})
-        record["groups"][g.name] = {"settings": g.settings(), "lrs": list(g.lrs),
-                                    "seeds": list(g.seeds), "seconds": round(a["seconds"]),
-                                    "members": outcomes(g, a)}
-        save(record)
-        rows = [r for v in record["groups"].values() for r in v["members"]]
+        if g.fork:
+            parts = train_fork(g, log=lambda s: print(s, flush=True))["parts"]
+            members = [(g.lrs[0], s, a, i) for seeds, a in parts.values()
+                       for i, s in enumerate(seeds)]
+            seconds = sum(a["seconds"] for _, a in parts.values())
+        else:
+            snap = functools.partial(save_snapshot, g.name)
+            a = train_group(g, log=lambda s: print(s, flush=True)) if not g.snapshot_every \
+                else train_members(g.config(), g.seeds, log=lambda s: print(s, flush=True),
+                                   snapshot_at=range(g.snapshot_every, g.steps,
+                                                     g.snapshot_every), snapshot=snap)
+            members = [(lr, s, a, i) for i, (lr, s) in enumerate(member_grid(g))]
+            seconds = a["seconds"]
+        (SEED_CURVES / g.name).mkdir(parents=True, exist_ok=True)
+        for lr, seed, a, i in members:  # one file per member
+            tag = f"seed{seed}" if len(g.lrs) == 1 else f"lr{lr:g}-seed{seed}"
+            np.savez_compressed(SEED_CURVES / g.name / f"{tag}.npz", **curve_arrays(
+                {k: v[i] if k not in ("eval_step", "first_step", "seconds", "chunk_seconds")
+                 else v for k, v in a.items()}))
+        save_group(g.name, {"settings": g.settings(), "lrs": list(g.lrs), "seeds": list(g.seeds),
+                            "seconds": round(seconds), "machine": machine(),
+                            "members": outcomes(g, members)})
+        rows = [r for v in load()["groups"].values() for r in v["members"]]
         print(summary(rows), flush=True)
 
 

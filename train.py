@@ -152,7 +152,9 @@ def per_layer_metrics(params, grads, updates, opt_state) -> dict:
     return out
 
 
-def make_train_step(cfg: TrainConfig, tx):
+def build_train_step(cfg: TrainConfig, tx):
+    """The one train step, un-jitted: (state, tokens [B, T+1]) -> (new state, metrics). train.py
+    jits it (make_train_step); search.py vmaps it over seeds and scans it over steps."""
     schedule = lr_schedule(cfg.optim, cfg.steps)
 
     clip = cfg.optim.qk_clip > 0  # QK-Clip reads each head's max logit on the batch
@@ -175,7 +177,11 @@ def make_train_step(cfg: TrainConfig, tx):
                      "opt_state": opt_state}
         return new_state, metrics
 
-    return jax.jit(train_step, donate_argnums=0)
+    return train_step
+
+
+def make_train_step(cfg: TrainConfig, tx):
+    return jax.jit(build_train_step(cfg, tx), donate_argnums=0)
 
 
 def make_eval_step(cfg: TrainConfig):
