@@ -2469,6 +2469,77 @@ def test_a_slow_rise_is_a_level_shift_that_the_one_step_rule_misses(tmp_path):
         assert "1 level shift" in R.event_report(m)
 
 
+def test_events_within_20_steps_are_one_episode_and_a_shift_makes_it_a_level_shift_episode():
+    eps = R.episodes([100, 110, 125, 300, 600], [305, 1000])
+    assert [(e.start, e.end, e.spikes, e.shifts) for e in eps] == [
+        (100, 125, 3, 0), (300, 305, 1, 1), (600, 600, 1, 0), (1000, 1000, 0, 1)]
+    assert [e.level_shift for e in eps] == [False, True, False, True]
+    assert len(R.episodes([100, 121], [])) == 2  # 21 steps apart: two
+
+
+def test_an_episode_where_the_stable_twin_jumps_too_is_a_hard_batch():
+    steps = np.arange(700)
+    twin = 2.0 + 0.01 * np.where(steps % 2, 1.0, -1.0)  # sd 0.01: 3 sigma is 0.03
+    twin[200] += 0.1  # a hard batch: the stable twin jumps there too
+    twin[260] += 0.02  # under 3 sigma: no jump
+    assert list(np.nonzero(R.jumps(twin))[0]) == [200]
+    twin_shift_steps = [410]
+    eps = R.mark_hard_batches(R.episodes([200, 260], [400, 600]), twin, twin_shift_steps)
+    assert [(e.start, e.hard_batch) for e in eps] == [(200, True), (260, False), (400, True),
+                                                      (600, False)]
+    assert R.episodes([1], [])[0].hard_batch is None  # no twin asked
+
+
+def test_a_shift_back_within_the_tolerance_is_recovered_and_one_not_back_is_censored():
+    rng = np.random.default_rng(0)
+    loss = 2.0 + 0.01 * rng.standard_normal(1000)
+    loss[300:500] += 0.3  # a level shift...
+    loss[500:] += 0.03  # ...back to 0.03 above the level before: within 0.05
+    m = {"step": np.arange(1000), "loss": loss}
+    (shift,) = R.find_shifts(m)
+    assert shift.recovered_after is None  # the old rule: never back (it asks for the level)
+    steps, ok = R.recovery(loss, shift.step, shift.pre_level)
+    assert ok and 500 - shift.step <= steps <= 520 - shift.step
+    held = loss.copy()
+    held[500:] += 0.3  # never back: censored at the run's end
+    assert R.recovery(held, shift.step, shift.pre_level) == (999 - shift.step, False)
+    noisy = 2.0 + 0.5 * rng.standard_normal(1000)  # noise 0.5/sqrt(20) = 0.11 > 0.05
+    noisy[600:] += 0.1
+    assert R.recovery(noisy, 600, 2.0)[1]  # within the smoothed loss's own noise at once
+
+
+def test_the_survival_table_leaves_censored_shifts_out_once_their_run_has_ended():
+    rows = R.survival([(50, True), (300, True), (200, False), (800, False)], at=(100, 250, 500,
+                                                                               1000))
+    assert [(r["k"], r["at_risk"], r["not_back"]) for r in rows] == [
+        (100, 4, 3), (250, 3, 2), (500, 3, 1), (1000, 2, 0)]
+    assert rows[0]["share_not_back"] == 0.75
+
+
+def test_a_mid_run_arm_is_judged_on_its_source_curve_up_to_the_insertion():
+    src = {"step": np.arange(100), "loss": np.full(100, 2.0), "update_norm": np.ones(100)}
+    arm = {"step": np.arange(50, 100), "loss": np.full(50, 1.0), "update_norm": np.ones(50),
+           "eval_loss": np.array([1.0])}
+    m = R.spliced(src, arm, 50)
+    assert list(m) == ["step", "loss", "update_norm"]
+    assert list(m["step"]) == list(range(100)) and m["loss"][49] == 2.0 and m["loss"][50] == 1.0
+    # a spike 3 steps after the insertion is seen: the history before it is the source's
+    rng = np.random.default_rng(0)
+    src["loss"] = 2.0 + 0.01 * rng.standard_normal(100)
+    arm["loss"] = src["loss"][50:].copy()
+    arm["loss"][3] += 1.0
+    assert [s.step for s in R.find_spikes(R.spliced(src, arm, 50))] == [53]
+    assert R.find_spikes(arm | {"step": np.arange(50)}) == []  # the arm alone: unarmed
+
+
+def test_the_bootstrap_interval_is_fixed_and_holds_the_mean():
+    v = [1.0, 2.0, 3.0, 4.0, 10.0]
+    lo, hi = R.bootstrap(v)
+    assert lo < np.mean(v) < hi and (lo, hi) == R.bootstrap(v)
+    assert R.bootstrap([2.0, 2.0, 2.0]) == (2.0, 2.0)
+    assert all(np.isnan(R.bootstrap([1.0])))
+
+
 # ---------------------------------------------------------------------------------------------
 # experiments.py
 
