@@ -229,7 +229,8 @@ def train_members(cfg: TrainConfig, seeds, chunk: int = 50, eval_every: int = 25
         c0 = first
         while c0 < cfg.steps:
             t = time.time()
-            n = min(chunk, cfg.steps - c0, *[s - c0 for s in snapshot_at if s > c0])
+            n = min(chunk, cfg.steps - c0, eval_every - c0 % eval_every,
+                    *[s - c0 for s in snapshot_at if s > c0])
             tokens = np.stack([np.stack([d.batch(c0 + i) for d in datas]) for i in range(n)])
             state, metrics = run_chunk(state, tokens)
             for k, v in jax.device_get(metrics).items():  # [n, M, ...]

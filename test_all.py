@@ -2641,23 +2641,29 @@ def test_the_levers_count_events_after_the_baselines_s1_of_each_seed():
 
 @pytest.mark.slow
 def test_a_search_member_is_the_train_py_run_of_its_lr_and_seed(tmp_path):
-    """search.py trains several LRs and seeds in one vmapped step, each LR applied outside the
-    optimizer: each member's losses are those of the plain train.py run (to float32 rounding)."""
+    """search.py vmaps train.py's own step over seeds (one compiled step per LR): for 120 steps
+    each member's losses and held-out losses are those of the plain train.py run with that LR
+    and seed, to float32 rounding: vmapped matmuls add in another order. Measured on this model:
+    at LR 3e-3 the losses agree within 3e-7 relative for 300 steps; at 1e-2 and 2e-2 (a
+    chaotic regime for d_model 32) they part past 1e-4 at steps 35 and 33 and past 1e-2 at
+    steps 44 and 55: rounding, amplified, as between two CPU models."""
     import search as SE
-    g = SE.Group("test", d_model=32, n_layers=2, steps=6, warmup_steps=2, lrs=(3e-3, 2e-2),
-                 seeds=(0, 1))
-    arrays = SE.train_group(g, chunk=4, eval_every=6, log=lambda s: None)
-    assert arrays["loss"].shape == (4, 6) and arrays["attn_logit_max"].shape == (4, 6, 2)
-    base = g.config()
+    g = SE.Group("test", d_model=32, n_layers=2, steps=120, warmup_steps=20, lrs=(1e-3, 3e-3),
+                 seeds=(0, 1), batch_size=8, seq_len=32)
+    arrays = SE.train_group(g, chunk=50, eval_every=60, log=lambda s: None)
+    assert arrays["loss"].shape == (4, 120) and arrays["attn_logit_max"].shape == (4, 120, 2)
     for i, (lr, seed) in enumerate(SE.member_grid(g)):
-        if i not in (1, 2):  # (3e-3, seed 1) and (2e-2, seed 0): both axes of the grid
+        if i not in (1, 2):  # (1e-3, seed 1) and (3e-3, seed 0): both axes of the grid
             continue
+        base = g.config(lr)
         cfg = dataclasses.replace(base, run_dir=str(tmp_path / f"m{i}"), seed=seed,
-                                  optim=dataclasses.replace(base.optim, lr=lr),
-                                  data=dataclasses.replace(base.data, seed=seed))
+                                  eval_every=60, data=dataclasses.replace(base.data, seed=seed))
         T.train(cfg, devices=jax.devices()[:1])
-        losses = R.read_metrics(cfg.run_dir)["loss"]
-        np.testing.assert_allclose(arrays["loss"][i], losses, rtol=2e-5)
+        m = R.read_metrics(cfg.run_dir)
+        np.testing.assert_allclose(arrays["loss"][i], m["loss"], rtol=1e-5)
+        np.testing.assert_allclose(arrays["grad_norm"][i], m["grad_norm"], rtol=2e-3)
+        np.testing.assert_allclose(arrays["eval_loss"][i], m["eval_loss"], rtol=1e-5)
+        assert not np.array_equal(arrays["loss"][i], arrays["loss"][3 - i])  # members differ
 
 
 def test_each_experiment_row_names_its_baseline_source_and_figure(tmp_path):
