@@ -16,6 +16,7 @@ import typing
 
 import numpy as np
 
+import guard
 from checkpoint import read_config, saved_steps
 from cli import UserError
 from compat import RENAMED
@@ -24,6 +25,7 @@ from distributed import DistConfig, MeshConfig
 from guard import GuardConfig
 from model import ModelConfig
 from optim import OptimConfig, lr_schedule
+from report import read_events
 from tracking import WandbConfig
 
 
@@ -63,6 +65,23 @@ class TrainConfig:
                              "normalises away: use one or the other")
         if self.mesh.data <= 0 or self.mesh.model <= 0:
             raise ValueError("--mesh.data and --mesh.model must be positive")
+
+
+def check_escalation(cfg: TrainConfig) -> None:
+    """A UserError, before anything is written, for a guard escalation this run could not carry
+    out (checked on the config asked for; once the guard has escalated, the run's effective
+    config has what it escalated to)."""
+    escalate, qk_norm, qk_clip = cfg.guard.escalate, cfg.model.qk_norm, cfg.optim.qk_clip > 0
+    if not cfg.guard.on or escalate not in ("qk-norm", "qk-clip"):
+        return
+    if escalate == "qk-norm" and (qk_norm or qk_clip):
+        raise UserError("--guard.escalate qk-norm inserts QK-Norm, which this run "
+                        + ("already has" if qk_norm else "cannot take beside --optim.qk-clip")
+                        + ": escalate to qk-clip, stop or none")
+    if escalate == "qk-clip" and (qk_norm or qk_clip):
+        raise UserError("--guard.escalate qk-clip switches QK-Clip on, which this run "
+                        + ("already has" if qk_clip else "cannot take beside --model.qk-norm")
+                        + ": escalate to qk-norm, stop or none")
 
 
 # Settings that may change when a run directory is resumed: they do not change the math.
@@ -183,7 +202,10 @@ def load_checkpointed(run_dir: pathlib.Path, step: int | None, flag: str = "",
         raise UserError(f"{flag}{run_dir} has no checkpoint{purpose}: train it first")
     if step is not None and step not in steps:
         raise UserError(f"{flag}{run_dir} has no checkpoint at step {step}; it has {steps}")
-    return cfg, steps[-1] if step is None else step
+    step = steps[-1] if step is None else step
+    # a run the guard escalated: its checkpoints after the escalation hold the escalated model
+    events = guard.split_at(read_events(run_dir), step)[0]
+    return guard.effective_config(cfg, events, restored_at=step), step
 
 
 # Settings that change the math, which a resume may still change on purpose: QK-Clip

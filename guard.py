@@ -181,6 +181,28 @@ def effective_config(cfg, events: list[dict], restored_at: int | None = None):
     return dataclasses.replace(cfg, model=model, optim=optim, data=data)
 
 
+def split_at(events: list[dict], at: int) -> tuple[list[dict], list[dict]]:
+    """(the actions a resume from the checkpoint at step `at` goes on with, those after it):
+    a rollback to a step after `at` (or a record of a later event) lies on the path that
+    `--resume-step at` leaves."""
+    def step(e):
+        return e["rollback_to"] if e["action"] in ("rollback", "escalate") else e["event_step"]
+    return [e for e in events if step(e) <= at], [e for e in events if step(e) > at]
+
+
+def set_aside(run_dir: pathlib.Path, kept: list[dict], later: list[dict],
+              stamp: str) -> pathlib.Path:
+    """Move the actions of the path a --resume-step left (`later`) into
+    events.superseded-STAMP.jsonl (kept, never deleted); events.jsonl keeps `kept`."""
+    path = pathlib.Path(run_dir) / "events.jsonl"
+    aside = path.with_name(f"events.superseded-{stamp}.jsonl")
+    aside.write_text("".join(json.dumps(e) + "\n" for e in later))
+    tmp = path.with_suffix(".jsonl.partial")
+    tmp.write_text("".join(json.dumps(e) + "\n" for e in kept))
+    tmp.replace(path)
+    return aside
+
+
 def escalation_step(events: list[dict]) -> int:
     """The step the run escalated at (0 if it has not): it never rolls back past it, and its
     watch forgets the losses before it (the insertion's one-time bump is no relapse)."""

@@ -410,18 +410,62 @@ def bootstrap(values, n: int = 10_000, seed: int = 0, stat=np.mean) -> tuple[flo
 # The spike guard's record (guard.py writes it): events.jsonl, one action per line
 
 def read_events(run_dir: pathlib.Path) -> list[dict]:
+    """The guard's record, each line checked (a file in the user's run directory, like
+    config.json: a bad one is a UserError naming the line, never a traceback)."""
     path = pathlib.Path(run_dir) / "events.jsonl"
-    if not path.is_file():
+    if not path.exists():
         return []
-    lines = path.read_text().splitlines()
+    fix = ("restore the file (the guard re-applies what it records), or move the run's "
+           "checkpoints after the line's step aside")
+    if not path.is_file():
+        raise UserError(f"{path} exists and is not a file: move it away (the guard's record "
+                        "is a file)")
+    try:
+        lines = path.read_text().splitlines()
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text; was it edited? {fix}") from None
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
     out = []
     for n, line in enumerate(lines, 1):
         try:
-            out.append(json.loads(line))
+            e = json.loads(line)
         except json.JSONDecodeError:
             if n < len(lines):  # only a last line may be torn (a kill mid-write): dropped
-                raise UserError(f"{path}:{n} is not JSON; was the file edited?") from None
+                raise UserError(f"{path}:{n} is not JSON; was the file edited? {fix}") from None
+            continue
+        if problem := event_problem(e):
+            raise UserError(f"{path}:{n}: {problem}; was the file edited? {fix}")
+        out.append(e)
     return out
+
+
+def event_problem(e) -> str | None:
+    """What is wrong with one record of events.jsonl (None: nothing)."""
+    def whole(key, low=0):
+        return isinstance(e.get(key), int) and not isinstance(e[key], bool) and e[key] >= low
+    if not isinstance(e, dict):
+        return "not a guard record (a JSON object)"
+    if e.get("action") not in ("rollback", "escalate", "stop", "go-on"):
+        return f"unknown action {e.get('action')!r}"
+    if not whole("event_step"):
+        return "no event_step"
+    if e["action"] in ("stop", "go-on"):
+        return None
+    if not (whole("rollback_to") and whole("replaced_until", e.get("rollback_to", 0) + 1)
+            and whole("extra_steps")):
+        return "a rollback record needs rollback_to < replaced_until and extra_steps"
+    if "rewarm_steps" in e and not whole("rewarm_steps"):
+        return f"rewarm_steps {e['rewarm_steps']!r} is not a step count"
+    escalation = e.get("escalation")
+    if (e["action"] == "escalate") != (escalation is not None):
+        return "an escalate record names its escalation, a rollback none"
+    if escalation not in (None, "qk-norm", "qk-clip"):
+        return f"unknown escalation {escalation!r}"
+    if escalation == "qk-clip" and not (isinstance(e.get("qk_clip"), (int, float))
+                                        and 0 < e["qk_clip"] < math.inf):
+        return "a qk-clip escalation needs its threshold qk_clip > 0"
+    return None
 
 
 def acted(events: list[dict]) -> list[dict]:

@@ -1869,13 +1869,41 @@ def test_the_guard_rolls_back_a_poisoned_batch_and_never_applies_it(tmp_path, mo
     assert_trees_equal(final_state(cfg)["params"], final_state(plain)["params"])
 
 
+@pytest.mark.slow
+def test_a_rollback_below_the_step_a_resumed_process_started_at_is_no_traceback(
+        tmp_path, monkeypatch, capsys):
+    """Killed (Ctrl-C) after step 6, resumed at 7: the poisoned batch 7 rolls the resumed
+    process back to step 6, below where it started; the progress line's ETA stays defined."""
+    plant_guard_events(monkeypatch, poison={7})
+    cfg = tiny(tmp_path, steps=12, checkpoint_every=2, keep_checkpoints=10, guard__on=True,
+               guard__margin=1, log_every=1)
+    requested = T.StopRequested.requested
+
+    def stop_after_6(self, step):
+        if step == 6:
+            self.signal = 2
+        return requested(self, step)
+    monkeypatch.setattr(T.StopRequested, "requested", stop_after_6)
+    with pytest.raises(SystemExit):
+        T.train(cfg, devices=jax.devices()[:1])
+    monkeypatch.setattr(T.StopRequested, "requested", requested)
+    assert C.saved_steps(tmp_path / "run")[-1] == 7
+    capsys.readouterr()
+    T.train(cfg, devices=jax.devices()[:1])
+    out = capsys.readouterr().out
+    (e,) = R.read_events(tmp_path / "run")
+    assert (e["rollback_to"], e["replaced_until"]) == (6, 8)
+    etas = [line.split("ETA ")[1] for line in out.splitlines() if "ETA" in line]
+    assert etas[0] == "--" and all(not x.startswith("-") for x in etas[1:]), out
+
+
 class Killed(Exception):
     pass
 
 
 @pytest.mark.slow
 def test_the_guard_escalates_a_relapsing_shift_to_qk_norm_and_a_kill_changes_nothing(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, capsys):
     plant_guard_events(monkeypatch, shift_from=150)
     runs = {}
     record = G.record
@@ -1916,6 +1944,69 @@ def test_the_guard_escalates_a_relapsing_shift_to_qk_norm_and_a_kill_changes_not
     for name in ("kill-rollback", "kill-escalation"):
         assert R.read_events(tmp_path / name / "run") == events
         assert_trees_equal(final_state(runs[name]), straight)
+    # every tool reads the escalated model (config.json does not have it; events.jsonl does)
+    run = tmp_path / "straight" / "run"
+    cfg, step = CF.load_checkpointed(run, None)
+    assert cfg.model.qk_norm and step == 260
+    assert S.main([str(run), "--prompt", "ab", "--max-new-tokens", "4"]) == 0
+    assert W.main(["--from", str(run), "--to", str(tmp_path / "w"), "--no-train"]) == 2
+    assert "its guard inserted it" in capsys.readouterr().err
+    # --resume-step to before the escalation: its record goes aside with the later checkpoints
+    # (no KeyError), and the plain command goes on from there
+    cfg = dataclasses.replace(runs["straight"], resume_step=100)
+    T.train(cfg, devices=jax.devices()[:1])
+    (aside,) = run.glob("events.superseded-*.jsonl")
+    assert [json.loads(x) for x in aside.read_text().splitlines()] == events
+    assert R.read_events(run) == events  # the same path again: the same two decisions
+    T.train(runs["straight"], devices=jax.devices()[:1])  # the same command: done, no error
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"\xff\xfe{}\n", "not UTF-8"),
+    (b"[]\n", "not a guard record"),
+    (b"{}\n", "unknown action"),
+    (b'{"action": "rollback", "event_step": 5}\n', "rollback_to"),
+    (b'{"action": "escalate", "event_step": 5, "rollback_to": 4, "replaced_until": 6, '
+     b'"extra_steps": 2, "escalation": "qk-norms"}\n', "unknown escalation"),
+    (None, "not a file"),
+])
+def test_a_damaged_guard_record_is_one_line_and_changes_nothing(tmp_path, capsys, content, says):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "4").mkdir(parents=True)  # (read before any checkpoint is)
+    C.write_config(run, dataclasses.asdict(tiny(tmp_path)))
+    if content is None:
+        (run / "events.jsonl").mkdir()
+    else:
+        (run / "events.jsonl").write_bytes(content)
+    before = tree_hashes(run)
+    assert T.main(["--resume", str(run), "--mesh.data", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "events.jsonl" in err and says in err, err
+    assert tree_hashes(run) == before
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--model.qk-norm", "--guard", "--guard.escalate", "qk-clip"], "cannot take beside"),
+    (["--optim.qk-clip", "50", "--guard", "--guard.escalate", "qk-norm"], "cannot take beside"),
+    (["--model.qk-norm", "--guard", "--guard.escalate", "qk-norm"], "already has"),
+])
+def test_an_escalation_the_run_could_not_carry_out_is_refused_before_it_starts(
+        tmp_path, capsys, flags, says):
+    assert T.main(["tiny", "--run-dir", str(tmp_path / "run"), "--mesh.data", "8", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err and not (tmp_path / "run").exists(), err
+
+
+def test_warmstart_never_removes_a_converting_folder_it_did_not_write(tmp_path, capsys):
+    src = tmp_path / "src"
+    (src / "checkpoints" / "4").mkdir(parents=True)
+    C.write_config(src, dataclasses.asdict(tiny(tmp_path)))
+    mine = tmp_path / "new.converting"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("a user's file")
+    assert W.main(["--from", str(src), "--to", str(tmp_path / "new"), "--no-train"]) == 2
+    assert "not written by warmstart.py" in capsys.readouterr().err
+    assert (mine / "notes.txt").read_text() == "a user's file"
 
 
 @pytest.mark.slow

@@ -49,7 +49,7 @@ from checkpoint import (
     write_config,
 )
 from cli import UserError, command, parse
-from config import PRESETS, TrainConfig, check_same_run, load_config
+from config import PRESETS, TrainConfig, check_escalation, check_same_run, load_config
 from data import TokenData, parse_ranges, token_unit
 from distributed import (
     check_fits,
@@ -270,6 +270,7 @@ class Log:
         self.t_start = self.t_prev = time.perf_counter()
         self.t_first = None  # the first record's time: the average excludes the compile
         self.shown = (start - 1, self.t_start)  # the step and time of the last progress line
+        self.lines = 0  # progress lines printed (the first one's time includes the compile)
 
     def record(self, step: int, metrics: dict) -> dict:
         now = time.perf_counter()
@@ -283,14 +284,19 @@ class Log:
             self.file.flush()
         self.tracker.log(m, step)
         if step % self.cfg.log_every == 0 or "eval_loss" in m:
-            eta = (now - self.t_start) / (step + 1 - self.start) * (self.cfg.steps - step - 1)
-            rate = self.tokens_per_step * (step - self.shown[0]) / (now - self.shown[1])
+            # rates over the steps since the last line (the first line's include the compile;
+            # a rollback restarts the count): never a division by zero, never a negative ETA
+            done = max(step - self.shown[0], 1)
+            per_step = (now - self.shown[1]) / done
+            eta = fmt_time(per_step * max(self.cfg.steps - step - 1, 0)) if self.lines else "--"
+            self.lines += 1
+            rate = self.tokens_per_step / per_step
             self.shown = (step, now)
             ev = f" | eval {m['eval_loss']:.4f}" if "eval_loss" in m else ""
             say(f"step {step:>6}/{self.cfg.steps} | loss {m['loss']:.4f}{ev} | "
                 f"grad {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
                 f"logit max {max(m['attn_logit_max']):.1f} | "
-                f"{rate / 1e3:.1f}k tok/s | ETA {fmt_time(eta)}", flush=True)
+                f"{rate / 1e3:.1f}k tok/s | ETA {eta}", flush=True)
         finite = math.isfinite(m["loss"] + m["grad_norm"])
         self.nonfinite = 0 if finite else self.nonfinite + 1
         return m
@@ -357,11 +363,13 @@ def train(cfg: TrainConfig, devices=None) -> dict:
                                                                      qk_clip_start=taken))
             say(f"QK-Clip threshold {stored.optim.qk_clip:g} -> {cfg.optim.qk_clip:g} from "
                 f"step {taken} on (a switch the run's config records)")
+    check_escalation(cfg)
     hf_params = load_hf(pathlib.Path(cfg.init_from_hf), cfg.model) if cfg.init_from_hf and \
         not steps else None
     user_cfg, events = cfg, read_events(run_dir) if steps else []
     at = cfg.resume_step if cfg.resume_step is not None else (steps or [0])[-1]
-    cfg = guard.effective_config(user_cfg, events, restored_at=at)  # the checkpoint's shape
+    events, later = guard.split_at(events, at)  # (later: a --resume-step went back past them)
+    cfg = effective(user_cfg, events, restored_at=at)  # the checkpoint's shape
     data = load_data(cfg)
     tx = make_tx(cfg)
     target = abstract_state(cfg.model, tx, mesh)
@@ -377,8 +385,11 @@ def train(cfg: TrainConfig, devices=None) -> dict:
             say(f"new run {run_dir}: {n / 1e6:.2f}M params, {cfg.steps} steps, "
                 f"mesh {cfg.mesh.data}x{cfg.mesh.model} on {jax.process_count()} process(es), "
                 f"{data.train.size:,} training tokens")
+        if later and jax.process_index() == 0:
+            aside = guard.set_aside(run_dir, events, later, time.strftime("%Y%m%d-%H%M%S"))
+            say(f"moved the guard's {len(later)} later action(s) aside to {aside}")
         if events:  # the guard's actions so far, re-applied
-            cfg = guard.effective_config(user_cfg, events)
+            cfg = effective(user_cfg, events)
             if guard.pending_insertion(events, int(state["step"])):
                 state = insert_qk_norm(cfg, state, mesh)
             tx, data = make_tx(cfg), load_data(cfg)
@@ -387,6 +398,17 @@ def train(cfg: TrainConfig, devices=None) -> dict:
             write_config(run_dir, dataclasses.asdict(user_cfg))
         mngr = mngr or checkpoint_manager(run_dir, cfg.keep_checkpoints)
         return run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg, events)
+
+
+def effective(user_cfg: TrainConfig, events: list, restored_at: int | None = None):
+    """guard.effective_config, with a setting that cannot go beside what the guard did (QK-Clip
+    switched on by a resume after it inserted QK-Norm) a UserError."""
+    try:
+        return guard.effective_config(user_cfg, events, restored_at)
+    except ValueError as e:
+        done = ", ".join(f"{x['escalation']} at step {x['rollback_to']}" for x in acted(events)
+                         if x.get("escalation"))
+        raise UserError(f"the guard escalated this run ({done}; events.jsonl): {e}") from None
 
 
 def losses_before(run_dir: pathlib.Path, start: int) -> dict[int, float]:

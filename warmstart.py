@@ -83,7 +83,14 @@ def load_source(run: pathlib.Path, step: int | None) -> tuple[TrainConfig, int]:
     if stored is not None and stored.model.qk_norm:  # said first: no checkpoint would help
         raise UserError(f"--from {run} already has QK-Norm (model.qk_norm is true): nothing to "
                         "insert; resume it with train.py instead")
-    return load_checkpointed(run, step, flag="--from ")
+    cfg, step = load_checkpointed(run, step, flag="--from ")  # with what the guard did
+    if cfg.model.qk_norm:
+        raise UserError(f"--from {run} has QK-Norm at step {step} (its guard inserted it; "
+                        "events.jsonl): nothing to insert; resume it with train.py instead")
+    if cfg.optim.qk_clip > 0:
+        raise UserError(f"--from {run} runs QK-Clip at step {step}, whose rescale QK-Norm "
+                        "normalises away: warmstart.py does not insert QK-Norm beside it")
+    return cfg, step
 
 
 def convert_checkpoint(src_run: pathlib.Path, step: int, src_cfg: TrainConfig,
@@ -103,23 +110,39 @@ def convert_checkpoint(src_run: pathlib.Path, step: int, src_cfg: TrainConfig,
                         f"({type(e).__name__}); pick another with --step") from None
     target = checkpoint.abstract_state(cfg.model, tx, mesh)
     state, carried, new, dropped = carry(source, target, init_new_leaves(cfg, tx, target))
-    partial = dst_run.with_name(dst_run.name + ".converting")
-    if partial.exists():  # what a killed conversion left: never a run, safe to remove
+    partial = converting(dst_run)
+    if partial.exists():  # what a killed conversion left (check_target made sure it is ours)
         shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    (partial / MARK).write_text(f"{src_run}@{step}\n")
     checkpoint.write_config(partial, dataclasses.asdict(cfg))
     mngr = checkpoint.checkpoint_manager(partial, cfg.keep_checkpoints)
     checkpoint.save_checkpoint(mngr, step, state, dataclasses.asdict(cfg))
     mngr.wait_until_finished()
     if dst_run.exists():
         dst_run.rmdir()  # empty (checked before)
+    (partial / MARK).unlink()
     partial.rename(dst_run)
     return source, state, carried, new, dropped
+
+
+# The file a conversion writes first into NEW_RUN.converting/: a folder without it is not one
+# that warmstart.py wrote, and is never removed.
+MARK = "warmstart-converting"
+
+
+def converting(dst_run: pathlib.Path) -> pathlib.Path:
+    return dst_run.with_name(dst_run.name + ".converting")
 
 
 def check_target(args: WarmStartArgs, cfg: TrainConfig, step: int) -> bool:
     """Refuse what cannot work before anything is written; True if --to already holds this
     very warm start (the same command run again, after a kill): then it is resumed."""
     src_run, dst_run = pathlib.Path(args.source).resolve(), pathlib.Path(args.to).resolve()
+    partial = converting(dst_run)
+    if partial.exists() and not (partial / MARK).is_file():
+        raise UserError(f"{partial} exists and was not written by warmstart.py: move it away, "
+                        "or choose another --to")
     if dst_run == src_run or src_run in dst_run.parents:
         raise UserError(f"--to {args.to} lies inside --from {args.source}: choose a directory "
                         "outside the source run")
