@@ -251,6 +251,11 @@ def check_run_dir(run_dir: pathlib.Path, resume_step: int | None = None) -> None
         if (run_dir / name).exists() and not (run_dir / name).is_file():
             raise UserError(f"{run_dir}/{name} exists and is not a file: move it away, or use "
                             "another --run-dir")
+    if run_dir.is_dir() and not (run_dir / "config.json").exists():
+        theirs = sorted(p.name for p in run_dir.iterdir() if p.name != "lock")
+        if theirs:  # a folder of someone's files: its `lock` or metrics.jsonl is not ours
+            raise UserError(f"--run-dir {run_dir} holds {theirs[0]!r} and no config.json: it is "
+                            "not a train.py run; choose a new or empty directory")
     if resume_step is not None and resume_step not in (steps := saved_steps(run_dir)):
         raise UserError(f"no checkpoint at step {resume_step} in {run_dir}; "
                         f"saved steps: {steps or 'none'}")

@@ -20,7 +20,7 @@ import guard
 from checkpoint import read_config, saved_steps
 from cli import UserError
 from compat import RENAMED
-from data import DataConfig
+from data import DataConfig, parse_ranges
 from distributed import DistConfig, MeshConfig
 from guard import GuardConfig
 from model import ModelConfig
@@ -60,6 +60,11 @@ class TrainConfig:
                                  f"got {getattr(self, name)}")
         if self.seed < 0:
             raise ValueError(f"--seed must be >= 0, got {self.seed}")
+        past = [r for r in parse_ranges(self.data.replace_batches, "replace_batches")
+                if r.stop > self.steps]
+        if past:
+            raise ValueError(f"--data.replace-batches {past[0].start}:{past[0].stop} reaches "
+                             f"past the last step ({self.steps}): end it at --steps or before")
         if self.optim.qk_clip > 0 and self.model.qk_norm:
             raise ValueError("--optim.qk-clip rescales the q/k weights, whose scale QK-Norm "
                              "normalises away: use one or the other")

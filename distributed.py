@@ -72,6 +72,11 @@ def join(coordinator: str | None, n: int | None, pid: int | None, timeout: int) 
         host, _, port = coordinator.rpartition(":")
         if not host or not port.isdigit():
             raise UserError(f"--dist.coordinator must be HOST:PORT, got {coordinator!r}")
+        try:  # a name that does not resolve never will: say so now, not after the timeout
+            socket.getaddrinfo(host.strip("[]"), int(port))
+        except (socket.gaierror, UnicodeError) as e:
+            raise UserError(f"--dist.coordinator {coordinator}: the host name {host!r} does not "
+                            f"resolve ({getattr(e, 'strerror', None) or e}); check it") from None
         deadline, said = time.monotonic() + timeout, False
         while True:
             try:

@@ -71,10 +71,11 @@ class GuardConfig:
                              f"got {self.escalate!r}")
         if self.too_far not in ("stop", "go-on"):
             raise ValueError(f"--guard.too-far must be stop or go-on, got {self.too_far!r}")
-        if min(self.margin, self.rewarm_steps, self.escalate_rewarm_steps) < 0 or \
-                min(self.relapses, self.within, self.max_actions) < 1:
-            raise ValueError("--guard.margin and the --guard.*rewarm-steps must be >= 0, "
-                             "--guard.relapses, --guard.within and --guard.max-actions >= 1")
+        for name, low in (("margin", 0), ("rewarm_steps", 0), ("escalate_rewarm_steps", 0),
+                          ("relapses", 1), ("within", 1), ("max_actions", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"--guard.{name.replace('_', '-')} must be >= {low}, got "
+                                 f"{getattr(self, name)}")
         if not 0 < self.qk_clip < math.inf:
             raise ValueError(f"--guard.qk-clip must be positive, got {self.qk_clip}")
 

@@ -59,6 +59,7 @@ def codec(cfg: TrainConfig):
 
         def encode(text):
             try:
+                text.encode("utf-8")  # a raw byte the shell kept (a surrogate) is no text
                 return tok.encode(text).ids
             except UnicodeEncodeError:
                 raise UserError("--prompt is not valid UTF-8: a BPE run's tokenizer needs "

@@ -1332,6 +1332,12 @@ BAD_INPUTS = [
     ("train", ["--data.held-out-fraction", "nan"], "held_out_fraction must lie in (0, 1)"),
     ("train", ["--data.eval-sequences", "0"], "data.eval_sequences must be positive"),
     ("train", ["--data.replace-batches", "5"], "must look like A:B"),
+    ("train", ["--data.replace-batches", "0:10000000000"], "reaches past the last step"),
+    ("train", ["--guard.escalate", "qk-norm"], "--guard.escalate is a setting of the guard"),
+    ("train", ["--guard", "--guard.relapses", "0"], "--guard.relapses must be >= 1, got 0"),
+    ("train", ["--dist.num-processes", "2", "--dist.process-id", "1", "--dist.coordinator",
+               "no-such-host.invalid:1234"], "does not resolve"),
+    ("train", ["--run-dir", "{user_folder}"], "not a train.py run"),
     ("train", ["--keep-checkpoints", "0"], "--keep-checkpoints must be positive"),
     ("train", ["--log-every", "-1"], "--log-every must be positive"),
     ("train", ["--max-consecutive-nonfinite", "0"], "--max-consecutive-nonfinite must be"),
@@ -1508,6 +1514,9 @@ def bad_files(tmp_path_factory, straight_run):
     (d / "metrics_dir" / "metrics.jsonl").mkdir(parents=True)
     (d / "checkpoints_file").mkdir()
     (d / "checkpoints_file" / "checkpoints").write_text("not a directory")
+    (d / "user_folder").mkdir()  # a folder of the user's files, one named like ours
+    (d / "user_folder" / "lock").write_text("my lock notes")
+    (d / "user_folder" / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n{"mine')
     return {"empty": d / "empty.txt", "big_ids": d / "big.npy", "short": d / "short.txt",
             "pickled": d / "pickled.npy", "floats": d / "floats.npy",
             "truncated_llmc": d / "truncated.bin", "odd_bin": d / "odd.bin",
@@ -1517,7 +1526,7 @@ def bad_files(tmp_path_factory, straight_run):
             "user_out": d / "user_out", "one_byte": d / "one_byte.txt",
             "hf_nan": d / "hf_nan", "hf_truncated": d / "hf_truncated",
             "negative": d / "negative.npy", "zero_bin": d / "zero.bin", "fifo": d / "fifo",
-            "metrics_dir": d / "metrics_dir",
+            "metrics_dir": d / "metrics_dir", "user_folder": d / "user_folder",
             **{n: d / n for n in [*texts, "checkpoints_file", "capped"]}}
 
 
@@ -1815,11 +1824,12 @@ def test_the_guard_plan_rolls_back_past_the_margin_and_escalates_at_a_relapse():
     assert early["action"] == "stop" and "escalated at step 380" in early["why"]
     clip = G.plan(dataclasses.replace(cfg, escalate="qk-clip"), G.Trigger("shift", 400, 450, 3.0),
                   [100, 120, 380], [first])
-    eff = G.effective_config(tiny(), [first, clip])
+    eff = G.effective_config(tiny(steps=1000), [first, clip])
     assert (eff.optim.qk_clip, eff.optim.qk_clip_start, eff.model.qk_norm) == (100.0, 380, False)
-    eff = G.effective_config(tiny(), [first, second])
+    eff = G.effective_config(tiny(steps=1000), [first, second])
     assert eff.data.replace_batches == "120:151,380:451" and eff.model.qk_norm
-    assert not G.effective_config(tiny(), [first, second], restored_at=380).model.qk_norm
+    assert not G.effective_config(tiny(steps=1000), [first, second],
+                                  restored_at=380).model.qk_norm
     with pytest.raises(ValueError, match="--guard.escalate"):
         G.GuardConfig(escalate="maybe")
 

@@ -93,8 +93,12 @@ def parse_flags(default: TrainConfig, args: list[str]) -> TrainConfig:
     """tyro over TrainConfig with `default` as the defaults; a bad flag is a UserError.
     `--guard` alone is `--guard.on`."""
     args = ["--guard.on" if a == "--guard" else a for a in args]
-    return parse(TrainConfig, args, default=default,
-                 description=f"{__doc__}\nPresets: {', '.join(PRESETS)}.")
+    cfg = parse(TrainConfig, args, default=default,
+                description=f"{__doc__}\nPresets: {', '.join(PRESETS)}.")
+    given = [a.split("=")[0] for a in args if a.startswith("--guard.") and a != "--guard.on"]
+    if given and not cfg.guard.on:
+        raise UserError(f"{given[0]} is a setting of the guard, which is off: add --guard")
+    return cfg
 
 
 def setup_mesh(cfg: TrainConfig, devices) -> jax.sharding.Mesh:
@@ -358,7 +362,10 @@ def train(cfg: TrainConfig, devices=None) -> dict:
     if stored is not None:
         taken = cfg.resume_step if cfg.resume_step is not None else (steps or [0])[-1]
         check_same_run(stored, cfg, taken)
-        if cfg.optim.qk_clip != stored.optim.qk_clip:  # switched on (or off) from here on
+        if cfg.optim.qk_clip == stored.optim.qk_clip:  # the step a switch was made at stays
+            cfg = dataclasses.replace(cfg, optim=dataclasses.replace(
+                cfg.optim, qk_clip_start=stored.optim.qk_clip_start))
+        else:  # switched on (or off) from here on
             cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim,
                                                                      qk_clip_start=taken))
             say(f"QK-Clip threshold {stored.optim.qk_clip:g} -> {cfg.optim.qk_clip:g} from "
