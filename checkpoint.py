@@ -222,8 +222,7 @@ def restore_checkpoint(mngr, step: int, target) -> dict:
     mapped = {n for n in have.values() if n is not None}
     missing = {n for n in set(want) - mapped if not compat.starts_at_zero(n)}
     if not have or mapped - set(want) or missing:
-        raise ValueError(f"the checkpoint's leaves {sorted(set(stored_names) - set(want))} do "
-                         f"not match the train state's {sorted(set(want) - set(stored_names))}")
+        raise OtherModel(sorted(set(stored_names) - set(want)))
     replicated = jax.NamedSharding(next(iter(want.values())).sharding.mesh, P())
     item = jax.tree_util.tree_map_with_path(  # the stored layout, in the target's shardings
         lambda p, m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=want[have[names(p)]].sharding
@@ -232,6 +231,26 @@ def restore_checkpoint(mngr, step: int, target) -> dict:
     return jax.tree_util.tree_map_with_path(  # a leaf added since starts at zero
         lambda p, t: by_name[names(p)] if names(p) in by_name else
         jnp.zeros(t.shape, t.dtype, device=t.sharding), target)
+
+
+class OtherModel(ValueError):
+    """A checkpoint whose leaves are not the train state's: it holds another model."""
+
+    def __init__(self, extra: list):
+        self.extra = extra
+        super().__init__(f"the checkpoint has leaves the train state lacks: {extra[:3]}")
+
+
+def unreadable(run_dir: pathlib.Path, step: int, error: Exception, hint: str) -> UserError:
+    """The one line for a checkpoint that cannot be restored as the config says. A checkpoint
+    with QK-Norm scales the config lacks is a guarded run whose record is gone."""
+    where = f"checkpoint at step {step} in {run_dir}"
+    if isinstance(error, OtherModel) and any("q_norm" in n for n in error.extra):
+        return UserError(f"{where} holds QK-Norm scales its config.json lacks: the guard "
+                         f"inserted them, and its record {run_dir}/events.jsonl is missing or "
+                         "emptied; restore that file (or use --resume-step from before the "
+                         "escalation)")
+    return UserError(f"{where} is unreadable ({type(error).__name__}): {hint}")
 
 
 def names(path) -> tuple[str, ...]:
@@ -314,8 +333,7 @@ def resume(run_dir: pathlib.Path, target, keep: int, resume_step: int | None = N
         older = [s for s in steps if s < start]
         hint = (f"resume from an older one with --resume-step {older[-1]}" if older
                 else "no older checkpoint exists")
-        raise UserError(f"checkpoint at step {start} in {run_dir} is unreadable "
-                              f"({type(e).__name__}): {hint}") from None
+        raise unreadable(run_dir, start, e, hint) from None
     announce(f"resumed {run_dir} at step {start}")
     later = [s for s in steps if s > start]
     if later:  # --resume-step went back: keep the later checkpoints, out of the way

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import tyro
 
-from checkpoint import abstract_state, checkpoint_manager, restore_checkpoint
+from checkpoint import abstract_state, checkpoint_manager, restore_checkpoint, unreadable
 from cli import UserError, check_new_folder, claim_partial, command, parse
 from config import load_checkpointed
 from data import TokenData
@@ -154,8 +154,7 @@ def restore_params(run: pathlib.Path, step: int, cfg) -> dict:
             state = restore_checkpoint(checkpoint_manager(run, read_only=True), step,
                                        abstract_state(cfg.model, tx, mesh))
         except Exception as e:
-            raise UserError(f"checkpoint at step {step} in {run} is unreadable "
-                            f"({type(e).__name__})") from None
+            raise unreadable(run, step, e, "export another with --step") from None
     return jax.tree.map(np.asarray, state["params"])
 
 

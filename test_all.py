@@ -1969,6 +1969,10 @@ def test_the_guard_escalates_a_relapsing_shift_to_qk_norm_and_a_kill_changes_not
     assert [json.loads(x) for x in aside.read_text().splitlines()] == events
     assert R.read_events(run) == events  # the same path again: the same two decisions
     T.train(runs["straight"], devices=jax.devices()[:1])  # the same command: done, no error
+    # the record emptied by hand: one line that says so, not "unreadable"
+    (run / "events.jsonl").write_text("")
+    with pytest.raises(T.UserError, match="its record .*events.jsonl is missing or emptied"):
+        T.train(runs["straight"], devices=jax.devices()[:1])
 
 
 @pytest.mark.parametrize("content, says", [

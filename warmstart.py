@@ -106,8 +106,7 @@ def convert_checkpoint(src_run: pathlib.Path, step: int, src_cfg: TrainConfig,
         source = checkpoint.restore_checkpoint(
             src_mngr, step, checkpoint.abstract_state(src_cfg.model, src_tx, mesh))
     except Exception as e:
-        raise UserError(f"checkpoint at step {step} in {src_run} is unreadable "
-                        f"({type(e).__name__}); pick another with --step") from None
+        raise checkpoint.unreadable(src_run, step, e, "pick another with --step") from None
     target = checkpoint.abstract_state(cfg.model, tx, mesh)
     state, carried, new, dropped = carry(source, target, init_new_leaves(cfg, tx, target))
     partial = converting(dst_run)
