@@ -247,8 +247,18 @@ def skip_step(inner: optax.GradientTransformation, window: int = 128, sigma: flo
       +2-nat poisoned batch slips under the raised threshold and is applied. (Recorded clipped
       to the threshold instead, each skip still raises it under a short window: 4.2 -> 9.5
       nats after three junk batches at window 16.)
-    - A non-finite value is not recorded at all (the anchors record it; one NaN then makes the
-      threshold NaN and disables the rule for a whole window).
+    - A non-finite value is not recorded at all. The anchors record it: measured from outside
+      on their code, OLMo-core's and Levanter's rules then skip every step for the next 129.
+    - It is fed the loss the step minimises, CE + z-loss (OLMo-core feeds the CE alone; with
+      z-loss 1e-4 the two differ by ~1e-3 nats here).
+
+    Its misses and false positives, measured on a planted series (test_all.py): a loss falling
+    from 5.5 to 2.0 nats (e-fold 150 steps, noise 0.05) with 40 junk batches of +1.3 nats at
+    random steps of 2,000, window 128, 6 sigma: no clean step skipped; the 15 junk batches up
+    to step 524 all applied (while the loss falls fast its trend inflates the window's std, and
+    each junk batch applied joins the history and raises the bar for the next), the 25 after
+    all skipped. On a real run's first steps, where the loss can bump, clean steps are skipped
+    too (seen: steps 25, 64 and 65 of a tiny run, while a +1.3-nat junk row passed at 85).
     - After `patience` outlier skips in a row the rule concludes that the loss has settled at
       a new level (e.g. a new data mixture): that step is applied and the history starts over
       from it (re-armed after window // 2 new steps), so a run never stalls.

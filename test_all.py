@@ -401,6 +401,31 @@ def test_under_a_short_window_skipped_outliers_do_not_raise_the_threshold():
     assert expected < 3.6
 
 
+def test_skip_step_misses_junk_batches_while_the_loss_falls_fast_as_its_docstring_says():
+    """The figures in optim.skip_step's docstring, on its planted series."""
+    rng = np.random.default_rng(0)
+    steps = np.arange(2000)
+    loss = 2.0 + 3.5 * np.exp(-steps / 150) + 0.05 * rng.standard_normal(2000)
+    junk = np.sort(rng.choice(np.arange(20, 2000), 40, replace=False))
+    loss[junk] += 1.3
+    tx = O.skip_step(optax.identity(), 128, 6.0, patience=32)
+    params = jnp.zeros(())
+
+    def body(state, x):
+        return tx.update(jnp.ones(()), state, params, loss=x)[1], None
+    skipped = []
+    state = tx.init(params)
+    run = jax.jit(lambda s, x: (lambda n: (n, n.metrics.skipped))(body(s, x)[0]))
+    for x in loss.astype(np.float32):
+        state, s = run(state, x)
+        skipped.append(bool(s))
+    skipped = np.array(skipped)
+    is_junk = np.isin(steps, junk)
+    assert not np.any(skipped & ~is_junk)  # no clean step skipped
+    assert list(junk[~skipped[junk]]) == list(junk[junk <= 524]) and len(junk[junk <= 524]) == 15
+    assert skipped[junk[junk > 524]].all() and len(junk[junk > 524]) == 25
+
+
 def test_a_permanent_shift_of_the_loss_level_is_accepted_within_the_patience():
     rng = np.random.default_rng(2)
     losses = 3.0 + 0.02 * rng.standard_normal(120)
