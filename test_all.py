@@ -932,6 +932,72 @@ def test_two_processes_on_loopback_match_one_process(tmp_path):
 
 
 
+# A train.py run with a planted level shift from step SHIFT on (a model without QK-Norm pays 1
+# nat on every batch from there), for runs in other processes: python - SHIFT [train.py flags].
+PLANTED_SHIFT_RUNNER = """
+import sys
+import jax.numpy as jnp
+import data as D, train as T
+batch, loss_fn, shift = D.TokenData.batch, T.loss_fn, int(sys.argv[1])
+def planted_batch(self, step, rows=slice(None)):
+    tokens = batch(self, step, rows).copy()
+    if step >= shift:
+        tokens[0, 0] = 255
+    return tokens
+def planted_loss(params, tokens, cfg, **kw):
+    loss, aux = loss_fn(params, tokens, cfg, **kw)
+    hit = jnp.any(tokens[:, 0] == 255)  # (row 0 alone cannot be indexed on a sharded batch)
+    return loss + (0.0 if cfg.qk_norm else 1.0) * hit, aux
+D.TokenData.batch, T.loss_fn = planted_batch, planted_loss
+sys.exit(T.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow
+def test_the_guard_on_two_processes_takes_the_decisions_of_one(tmp_path):
+    """One rollback and one escalation to QK-Norm on a 2-process loopback run (2 CPU devices
+    each): the same record as one process with 4 devices, process 0 writing it. Not bitwise:
+    the gloo all-reduce adds in another order, and tiny's LR amplifies it (measured: the losses
+    agree to 1e-5 relative for 30 steps and part by ~4% from step ~40; the guard's decisions,
+    taken on those losses, are the same)."""
+    flags = ["tiny", "--mesh.data", "4", "--steps", "260", "--checkpoint-every", "20",
+             "--keep-checkpoints", "20", "--eval-every", "260", "--guard", "--guard.escalate",
+             "qk-norm"]
+    runner = tmp_path / "planted.py"
+    runner.write_text(PLANTED_SHIFT_RUNNER)
+    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    one = subprocess.run([sys.executable, str(runner), "150", *flags, "--run-dir",
+                          str(tmp_path / "one")], cwd=HERE, capture_output=True, text=True,
+                         env={**env, "JAX_NUM_CPU_DEVICES": "4"}, timeout=600)
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(runner), "150", *flags, "--run-dir",
+                               str(tmp_path / "two"), "--dist.coordinator", f"127.0.0.1:{port}",
+                               "--dist.num-processes", "2", "--dist.process-id", str(i)],
+                              cwd=HERE, env={**env, "JAX_NUM_CPU_DEVICES": "2"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    events = R.read_events(tmp_path / "one")
+    assert [e["action"] for e in events] == ["rollback", "escalate"]
+    two = R.read_events(tmp_path / "two")
+    assert [{k: v for k, v in e.items() if k != "loss"} for e in two] == \
+        [{k: v for k, v in e.items() if k != "loss"} for e in events]
+    for line in outs[1].splitlines():  # process 1 took each decision too (process 0 says it)
+        assert not line.startswith("guard:"), line
+    m1, m2 = R.read_metrics(tmp_path / "one"), R.read_metrics(tmp_path / "two")
+    np.testing.assert_allclose(m2["loss"][:30], m1["loss"][:30], rtol=1e-5)
+    for run in ("one", "two"):  # both escalated: the final checkpoint holds QK-Norm
+        cfg = dataclasses.replace(G.effective_config(tiny(steps=260), events),
+                                  run_dir=str(tmp_path / run))
+        assert "q_norm" in restore_final(cfg, 260)["params"]["layers"]
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as s:
