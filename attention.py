@@ -99,24 +99,28 @@ def dense(q_BTNH, k_BSKH, v_BSKH, q_offset=0, softcap: float = 0.0):
 
 
 def head_logit_max(q_BTNH, k_BTKH, spec: P, chunk: int = 512):
-    """[N] the max |q.k / sqrt(H)| of each query head over the causal entries, for QK-Clip
-    (optim.py): forward only, without gradient, one chunk of query positions at a time
-    (memory O(T * chunk)), per device like `attend`. It recomputes the scores the attention
+    """[N] the signed max of q.k / sqrt(H) of each query head over the causal entries: QK-Clip's
+    statistic (optim.py) as Kimi K2 (arXiv 2507.20534, Alg. 1), MaxText's qk_clip_utils.py
+    and Megatron-LM take it (a head whose logits are only large and negative is not clipped;
+    the logged instability statistic, attn_logit_max, stays the |max|). Forward only, without
+    gradient, one chunk of query positions at a time (memory O(T * chunk)), per device like
+    `attend`. It recomputes the scores the attention
     form already computed: ~one more q k^T matmul per layer, paid only while QK-Clip is on."""
     def local(q_BTNH, k_BTKH):
         B, T, N, H = q_BTNH.shape
         K = k_BTKH.shape[2]
         q_BTNH, k_BTKH = jax.lax.stop_gradient((q_BTNH / math.sqrt(H), k_BTKH))
         c = min(chunk, T)
-        n = -(-T // c)  # padded query positions hold zeros: their scores are 0
+        n = -(-T // c)  # padded query positions are masked out
         q_nBcKGH = jnp.pad(q_BTNH, [(0, 0), (0, n * c - T), (0, 0), (0, 0)]).reshape(
             B, n, c, K, N // K, H).swapaxes(0, 1)
 
         def chunk_max(i):
             s_BKGcS = jnp.einsum("bckgh,bskh->bkgcs", q_nBcKGH[i], k_BTKH,
                                  preferred_element_type=jnp.float32)
-            causal_cS = (i * c + jnp.arange(c))[:, None] >= jnp.arange(T)[None, :]
-            return jnp.max(jnp.where(causal_cS, jnp.abs(s_BKGcS), 0.0), axis=(0, 3, 4))
+            pos_c = i * c + jnp.arange(c)
+            causal_cS = (pos_c[:, None] >= jnp.arange(T)[None, :]) & (pos_c < T)[:, None]
+            return jnp.max(jnp.where(causal_cS, s_BKGcS, -jnp.inf), axis=(0, 3, 4))
         return jnp.max(jax.lax.map(chunk_max, jnp.arange(n)), axis=0).reshape(1, N)
 
     maxes_DN = jax.shard_map(local, in_specs=(spec, spec), out_specs=P(spec[0], spec[2]),

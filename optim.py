@@ -68,10 +68,10 @@ class OptimConfig:
     update_clip_sigma: float = 2.0  # Marin used 2.0 (Levanter's default is 3.0)
     update_rms_threshold: float = 1.0  # per-tensor RMS clip (Levanter update_rms_clipping)
     # QK-Clip (Kimi K2, arXiv 2507.20534): after each applied step, rescale the q/k weights of
-    # every head whose max attention logit exceeded this (K2: 100); 0 = off. A resume may
-    # switch it on (the rescue with no new parameters): it then acts from qk_clip_start on.
+    # every head whose signed max attention logit exceeded this (K2: 100); 0 = off. A resume
+    # may switch it on (the rescue with no new parameters).
     qk_clip: float = 0.0
-    qk_clip_start: int = 0
+    qk_clip_start: int = 0  # the step QK-Clip acts from (train.py records a resume's switch)
 
     def __post_init__(self):
         def check(names, ok, what):  # written so that NaN fails every test
@@ -443,16 +443,16 @@ def qk_clip(inner: optax.GradientTransformation, tau: float, start: int = 0
             ) -> optax.GradientTransformationExtraArgs:
     """QK-Clip (Kimi K2, arXiv 2507.20534, MuonClip) around the whole optimizer: after an
     applied step from `start` on, every attention head whose max pre-softmax logit on the
-    step's batch, S (`attn_logit_max_per_head` [L, N], passed to update), exceeded tau has
-    its query and key weights rescaled so that the same batch's max logit would be tau:
-    gamma = min(1, tau / S). The update becomes (W + u) * s - W on that head's slice.
+    step's batch, S (the signed max, as K2's Alg. 1, MaxText and Megatron-LM take it:
+    `attn_logit_max_per_head` [L, N], passed to update), exceeded tau has its query and key
+    weights rescaled so that the same batch's max logit would be tau: gamma = min(1, tau / S).
+    The update becomes (W + u) * s - W on that head's slice. No factor ever exceeds 1.
 
-    Grouped-query attention: a key head serves G query heads, and a logit of query head n is
-    (scale of q_n) x (scale of its k). K2's rule scales each by sqrt(gamma). Here the key head
-    takes sqrt of the smallest gamma of its group (the largest need), and each query head
-    gamma_n / that, so every head's logit scales by exactly its own gamma: a clipped head's
-    max becomes tau, an unclipped head's logits stay as they were (its q grows by what its k
-    shrank). With G = 1 this is K2's sqrt(gamma) on both.
+    Multi-head attention (one key head per query head): K2's rule, W_q and W_k of the head each
+    by sqrt(gamma). Grouped-query attention: a key head serves G query heads, so each query
+    head's W_q takes its own gamma and the shared W_k is left as it is (the same logits as K2's
+    rule for every head, as K2 leaves its shared rotary key alone; Megatron-LM instead scales
+    the whole group by the group's gamma, clipping heads that did not exceed tau).
 
     Stateless: the state is `inner`'s, so switching it on mid-run adds nothing to a
     checkpoint. A step that applied nothing (refused or skipped) clips nothing. QK-Norm
@@ -467,9 +467,11 @@ def qk_clip(inner: optax.GradientTransformation, tau: float, start: int = 0
         L, N = S_LN.shape
         K = params["layers"]["wk"].shape[2]
         on = applied & (step >= start)
-        gamma_LKG = jnp.where(on & (S_LN > tau), tau / S_LN, 1.0).reshape(L, K, N // K)
-        k_scale_LK = jnp.sqrt(jnp.min(gamma_LKG, axis=-1))
-        q_scale_LN = (gamma_LKG / k_scale_LK[..., None]).reshape(L, N)
+        gamma_LN = jnp.where(on & (S_LN > tau), tau / S_LN, 1.0)
+        if K == N:  # multi-head: sqrt(gamma) on each side (K2)
+            q_scale_LN = k_scale_LK = jnp.sqrt(gamma_LN)
+        else:  # grouped: the query heads take it all, the shared key nothing
+            q_scale_LN, k_scale_LK = gamma_LN, jnp.ones((L, K), jnp.float32)
 
         def rescaled(w, u, scale):  # [L, D, heads, H] * [L, heads] -> the update to (w+u)*s
             return ((w + u) * scale[:, None, :, None].astype(w.dtype) - w).astype(u.dtype)
