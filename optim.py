@@ -39,6 +39,11 @@ from jax import P
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     optimizer: Literal["adamw", "muon"] = "adamw"
+    # Muon as Levanter / Marin (levanter optim/muon.py) and Keller Jordan's Muon run it: the
+    # hidden matrices on Muon with momentum 0.95, the embedding, the LM head and the vectors
+    # on AdamW. --optim.muon-head orthogonalises the LM head too (the variant run before).
+    muon_momentum: float = 0.95
+    muon_head: bool = False
     lr: float = 3e-3  # peak learning rate (Marin 32B: 7e-4)
     b1: float = 0.9
     b2: float = 0.95
@@ -83,7 +88,7 @@ class OptimConfig:
               lambda x: 0 < x < math.inf, "a positive finite number")
         check(("max_grad_norm", "weight_decay", "qk_clip"), lambda x: 0 <= x < math.inf,
               ">= 0 and finite (0 turns it off)")
-        check(("b1", "b2", "zclip_alpha"), lambda x: 0 <= x < 1, "in [0, 1)")
+        check(("b1", "b2", "zclip_alpha", "muon_momentum"), lambda x: 0 <= x < 1, "in [0, 1)")
         check(("zclip_warmup",), lambda x: x >= 2, ">= 2")
         check(("decay_fraction", "min_lr_ratio", "rewarmup_from_ratio"), lambda x: 0 <= x <= 1,
               "in [0, 1]")
@@ -503,8 +508,10 @@ _MUON_DIMS = {
 
 
 def muon_with_adam(cfg: OptimConfig, decay_mask) -> optax.GradientTransformation:
-    """Muon (orthogonalised momentum, Jordan et al. 2024) for the weight matrices, Adam for the
-    rest (norms, embedding). Marin tried it on the 32B: "looked great until it didn't".
+    """Muon (orthogonalised momentum, Jordan et al. 2024) for the hidden weight matrices, Adam
+    for the rest (norms, embedding, and the LM head unless `muon_head`), as Levanter's and
+    Keller Jordan's Muon split them. Marin tried it on the 32B: "looked great until it
+    didn't".
     Muon's update is rescaled by 0.2 * sqrt(max(fan_in, fan_out)) to Adam's typical update RMS
     (Liu et al. 2025, "Muon is scalable"), so one learning rate serves both."""
     def dims(tree):
@@ -518,9 +525,12 @@ def muon_with_adam(cfg: OptimConfig, decay_mask) -> optax.GradientTransformation
             return u * (0.2 * math.sqrt(fan))
         return jax.tree_util.tree_map_with_path(scale, updates), state
 
-    labels = jax.tree.map(lambda decayed: "muon" if decayed else "adam", decay_mask)
+    labels = jax.tree_util.tree_map_with_path(
+        lambda path, decayed: "muon" if decayed and (cfg.muon_head or path[-1].key != "head")
+        else "adam", decay_mask)
     muon = on_whole_arrays(optax.chain(
-        optax.contrib.scale_by_muon(beta=cfg.b1, eps=cfg.eps, weight_dimension_numbers=dims),
+        optax.contrib.scale_by_muon(beta=cfg.muon_momentum, eps=cfg.eps,
+                                    weight_dimension_numbers=dims),
         optax.GradientTransformation(lambda _: optax.EmptyState(), match_adam_rms)))
     return optax.partition({"muon": muon, "adam": optax.scale_by_adam(cfg.b1, cfg.b2, cfg.eps)},
                            labels)

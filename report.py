@@ -241,23 +241,23 @@ def shift_table(shifts: list[Shift], name: str = "") -> str:
 
 # The OLMo 2 spike score (arXiv 2501.00656, section 3.2): the share of steps whose value lies
 # more than 7 standard deviations above the mean of the previous 1,000 values; OLMo-core's
-# stability monitor uses 6 over the previous 128. Both are reported, for the loss and the
-# gradient norm, as (window, sigma) -> the score.
+# stability monitor uses 6 over the previous 128. Both are reported per metric (loss, gradient
+# norm), as (window, sigma) -> the score; OLMo-core's logged score is neither: it is the
+# combined rate (a step counts if its loss or its grad norm spikes), reported beside them.
 SPIKE_SCORES = ((1000, 7.0), (128, 6.0))
 
 
-def spike_score(x: np.ndarray, window: int, sigma: float) -> float:
-    """The share of the steps that have `window` finite values before them whose value lies more
-    than `sigma` standard deviations (of those values) above their mean; a non-finite value
-    counts as a spike and stays out of the later steps' history. NaN if no step has a full
-    history."""
+def spike_flags(x: np.ndarray, window: int, sigma: float) -> tuple[np.ndarray, np.ndarray]:
+    """(spiked, scored) per step: scored where the step has `window` finite values before it,
+    spiked where it also lies more than `sigma` standard deviations (of those values) above
+    their mean; a non-finite value counts as a spike and stays out of the later history."""
     x = np.asarray(x, np.float64)
     ok = np.isfinite(x)
     finite = np.where(ok, x, 0.0)
     n = np.concatenate([[0], np.cumsum(ok)])
     s1 = np.concatenate([[0.0], np.cumsum(finite)])
     s2 = np.concatenate([[0.0], np.cumsum(finite ** 2)])
-    spikes = scored = 0
+    spiked, scored = np.zeros(len(x), bool), np.zeros(len(x), bool)
     for i in range(len(x)):
         lo = np.searchsorted(n, n[i] - window, side="left") if n[i] >= window else -1
         if lo < 0:
@@ -265,15 +265,39 @@ def spike_score(x: np.ndarray, window: int, sigma: float) -> float:
         count = n[i] - n[lo]
         mean = (s1[i] - s1[lo]) / count
         std = np.sqrt(max((s2[i] - s2[lo]) / count - mean ** 2, 0.0) * count / (count - 1))
-        scored += 1
-        spikes += (not ok[i]) or x[i] > mean + sigma * std
-    return spikes / scored if scored else math.nan
+        scored[i] = True
+        spiked[i] = (not ok[i]) or x[i] > mean + sigma * std
+    return spiked, scored
+
+
+def spike_score(x: np.ndarray, window: int, sigma: float) -> float:
+    """The share of the scored steps that spiked (spike_flags); NaN if none is scored."""
+    spiked, scored = spike_flags(x, window, sigma)
+    return spiked.sum() / scored.sum() if scored.any() else math.nan
+
+
+def combined_spike_score(loss, grad_norm, window: int = 128, sigma: float = 6.0,
+                         last: int = 10_000) -> tuple[float, float]:
+    """OLMo-core's logged score (train/callbacks/stability_monitor.py): one rate, a step
+    counting if its loss or its grad norm spikes; over all steps scored for both, and over the
+    last `last` of them (its running rate). The per-metric rates are spike_score's."""
+    a, sa = spike_flags(loss, window, sigma)
+    b, sb = spike_flags(grad_norm, window, sigma)
+    scored = np.nonzero(sa & sb)[0]
+    if not len(scored):
+        return math.nan, math.nan
+    hit = (a | b)[scored]
+    return float(hit.mean()), float(hit[-last:].mean())
 
 
 def spike_scores(m: dict[str, np.ndarray]) -> dict[str, float]:
-    """{"spike_score_loss_7s1000": ..., "spike_score_grad_norm_6s128": ...} for a run."""
-    return {f"spike_score_{key}_{sigma:g}s{window}": spike_score(m[key], window, sigma)
-            for key in ("loss", "grad_norm") if key in m for window, sigma in SPIKE_SCORES}
+    """{"spike_score_loss_7s1000": ..., "spike_score_grad_norm_6s128": ..., and OLMo-core's
+    combined "spike_score_combined_6s128"} for a run."""
+    out = {f"spike_score_{key}_{sigma:g}s{window}": spike_score(m[key], window, sigma)
+           for key in ("loss", "grad_norm") if key in m for window, sigma in SPIKE_SCORES}
+    if "loss" in m and "grad_norm" in m:
+        out["spike_score_combined_6s128"] = combined_spike_score(m["loss"], m["grad_norm"])[0]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,7 +526,9 @@ def event_report(m: dict[str, np.ndarray], name: str = "", rule: SpikeRule = Spi
         guarded = "\n" + events_table(m["guard_events"])
     return (spike_table(find_spikes(m, rule), name) + "\n"
             + shift_table(find_shifts(m, shift), name)
-            + (f"\nOLMo 2 spike scores (share of steps): {scores}" if scores else "") + guarded)
+            + (f"\nspike scores (share of steps; per metric OLMo 2's 7s1000 and OLMo-core's "
+               f"6s128 rule, and OLMo-core's logged combined rate): {scores}" if scores else "")
+            + guarded)
 
 
 def summary(m: dict[str, np.ndarray], rule: SpikeRule = SpikeRule(),

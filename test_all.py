@@ -704,6 +704,30 @@ def test_the_per_layer_adam_moment_norms_are_those_of_the_state_after_the_step(t
         assert expected.shape == (cfg.model.n_layers,) and np.all(expected > 0)
 
 
+def test_muon_splits_the_parameters_as_levanters_muon_does():
+    """Levanter (marin-community/levanter, src/levanter/optim/muon.py) and Keller Jordan's Muon
+    README: the embedding, the LM head and every vector on AdamW; the hidden matrices on Muon
+    with momentum 0.95 (`momentum: float = 0.95`). optax's Muon moment after one step of
+    gradient g is (1 - momentum) g."""
+    cfg = tiny(optim__optimizer="muon")
+    params = M.init_params(cfg.model, jax.random.key(0))
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
+    for muon_head in (False, True):
+        o = dataclasses.replace(cfg.optim, muon_head=muon_head)
+        tx = O.muon_with_adam(o, M.decay_mask(cfg.model))
+        with jax.set_mesh(mesh_of(1, 1)):
+            updates, state = tx.update(grads, tx.init(params), params)
+        adam = state.inner_states["adam"].inner_state
+        muon = state.inner_states["muon"].inner_state[0]
+        on_muon = {k for k, v in muon.mu["layers"].items() if not isinstance(v, optax.MaskedNode)}
+        assert on_muon == {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+        assert isinstance(muon.mu["embed"], optax.MaskedNode)
+        assert isinstance(adam.mu["head"], optax.MaskedNode) == muon_head
+        np.testing.assert_allclose(np.asarray(muon.mu["layers"]["wq"]), 0.05 * 0.5, rtol=1e-6)
+        if not muon_head:  # Adam's first step on a constant gradient: +-1 per element
+            np.testing.assert_allclose(np.asarray(updates["head"]), 1.0, rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_muon_trains(tiny_tokens):
     cfg = tiny(optim__optimizer="muon")
@@ -2629,6 +2653,14 @@ def test_the_olmo_2_spike_score_counts_the_planted_spikes():
                         "grad_norm": np.ones(3000)})
     assert scores["spike_score_loss_7s1000"] == pytest.approx(5 / 2000)
     assert scores["spike_score_grad_norm_6s128"] == 0.0
+    # OLMo-core's logged score: one rate, a step counting if its loss OR its grad norm spikes
+    g = 1 + 0.1 * rng.standard_normal(3000)
+    g[[1200, 1700]] += 5.0  # one step shared with the loss, one its own
+    whole, last = R.combined_spike_score(x, g, 128, 6.0, last=1000)
+    both = brute(x, 128, 6.0) * (3000 - 128), brute(g, 128, 6.0) * (3000 - 128)
+    assert round(whole * (3000 - 128)) == round(both[0]) + round(both[1]) - 1  # 1200 once
+    assert last == pytest.approx(3 / 1000)  # 2000, 2500 and 2700: the last 1,000 steps
+    assert R.spike_scores({"loss": x, "grad_norm": g})["spike_score_combined_6s128"] == whole
 
 
 def test_report_draws_figures_that_are_not_blank(tmp_path, capsys):
