@@ -145,7 +145,7 @@ LEVERS = [
     lever("softcap-50", model={"attn_softcap": 50.0}),  # Gemma 2's cap
     lever("zclip", grad_clip="zclip"),
     lever("update-clip-rms", update_clip="rms"),
-    lever("muon", optimizer="muon"),
+    lever("muon", optimizer="muon", muon_head=True),  # (the variant run then: LM head on Muon)
 ]
 GROUPS += LEVERS
 # LR sensitivity as Wortsman et al. (2309.14322) define it: the story regime at each LR of a
@@ -171,6 +171,13 @@ EVIDENCE_GROUPS = [
                         snapshot_every=0, compare_with="story8-qk",
                         optim=(("rewarmup_steps", 100), ("rewarmup_from_ratio", 0.1))),
 ]
+# The references' tools over the same seeds (run after the four above): QK-Clip's signed max
+# and no-growth rule, Muon with the references' split, MuonClip (Muon + QK-Clip, as K2).
+EVIDENCE_GROUPS += [
+    dataclasses.replace(lever(name, **optim), name=f"story8-{name}", seeds=EVIDENCE_SEEDS,
+                        compare_with="story8-qk")
+    for name, optim in (("qk-clip-100", {"qk_clip": 100.0}), ("muon", {"optimizer": "muon"}),
+                        ("muonclip-100", {"optimizer": "muon", "qk_clip": 100.0}))]
 GROUPS += EVIDENCE_GROUPS
 EVIDENCE_NAMES = {g.name for g in EVIDENCE_GROUPS}
 COMPARE = {g.name: g.compare_with for g in GROUPS if g.compare_with}
