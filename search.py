@@ -43,7 +43,19 @@ from config import PRESETS, TrainConfig
 from data import TokenData
 from experiments import ema, machine, update_readme
 from model import loss_fn
-from report import find_shifts, find_spikes, pyplot, save_figure, spike_score
+from report import (
+    bootstrap,
+    episodes,
+    find_shifts,
+    find_spikes,
+    mark_hard_batches,
+    pyplot,
+    recovery,
+    save_figure,
+    spike_score,
+    spliced,
+    survival,
+)
 
 OUT = pathlib.Path("results/search.json")
 CURVES = pathlib.Path("results/search")  # the groups run before the evidence: GROUP.npz
@@ -634,6 +646,122 @@ def plot(record: dict, out: pathlib.Path) -> pathlib.Path:
     return save_figure(fig, out / "search.png", dpi=100)
 
 
+# ---------------------------------------------------------------------------------------------
+# The evidence: rates with intervals over seeds, from the stored curves only (report.py's rules)
+
+def seed_curve(group: str, seed: int) -> dict:
+    """A member's stored curve as report.py reads a run: per-step arrays indexed by "step"
+    (a fork's start at its fork step), and its evals."""
+    c = np.load(SEED_CURVES / group / f"seed{seed}.npz")
+    first = int(c["first_step"])
+    n = len(c["loss"])
+    return {"step": np.arange(first, first + n), "loss": c["loss"].astype(np.float64),
+            "update_norm": c["update_norm"].astype(np.float64),
+            "grad_norm": c["grad_norm"].astype(np.float64),
+            "attn_logit_max": c["attn_logit_max"], "eval_step": c["eval_step"],
+            "eval_loss": c["eval_loss"], "first_step": first}
+
+
+def judged(g: Group, seed: int, base: str, twin: str) -> dict:
+    """One member judged by the episode rules: its curve (a fork's spliced onto its source's),
+    S1 (the baseline's last eval within 0.05 of the twin's), the episodes from S1 (a fork's
+    from its fork step) with the twin's hard-batch control, each shift's recovery."""
+    m = seed_curve(g.name, seed)
+    first = m["first_step"]
+    if first:
+        m = spliced(seed_curve(g.fork, seed), m, first) | {
+            "eval_step": m["eval_step"], "eval_loss": m["eval_loss"]}
+    b, t = seed_curve(base, seed), seed_curve(twin, seed)
+    s1 = int(first_match(list(b["eval_loss"]), list(t["eval_loss"]), list(b["eval_step"])) or 0)
+    after = max(s1, first)
+    spikes = [e for e in find_spikes(m) if e.step >= after]
+    shifts = [e for e in find_shifts(m) if e.step >= after]
+    eps = episodes([e.step for e in spikes], [e.step for e in shifts])
+    if g.name != twin:
+        twin_shifts = [e.step for e in find_shifts(t)]
+        eps = mark_hard_batches(eps, t["loss"], twin_shifts)
+    steps = len(m["loss"]) - after
+    rec = [recovery(m["loss"], e.step, e.pre_level) for e in shifts]
+    return {"seed": seed, "s1": s1, "from": after, "steps": steps, "episodes": eps,
+            "recoveries": rec, "old_spikes": len(spikes), "old_shifts": len(shifts),
+            "old_never": sum(e.recovered_after is None for e in shifts),
+            "eval": float(m["eval_loss"][-1]),
+            "max_logit": float(np.nanmax(m["attn_logit_max"][after:]))}
+
+
+def evidence_rows(record: dict, base: str = "story8", twin: str = "story8-qk") -> list[dict]:
+    """Per evidence group run so far: per seed judged(); the rates per 1,000 steps, the share of
+    seeds with a shift not back by the end, held-out and max logit, each with its mean and
+    bootstrap 95% interval over seeds."""
+    if base not in record["groups"] or twin not in record["groups"]:
+        return []
+    rows = []
+    for g in EVIDENCE_GROUPS:
+        if g.name not in record["groups"]:
+            continue
+        seeds = sorted(m["seed"] for m in record["groups"][g.name]["members"])
+        per = [judged(g, s, base, twin) for s in seeds]
+        k = 1000 / np.array([p["steps"] for p in per])
+        stats = {
+            "level_shift_episodes": k * [sum(e.level_shift for e in p["episodes"]) for p in per],
+            "episodes": k * [len(p["episodes"]) for p in per],
+            "instability_episodes": k * [sum(not e.hard_batch for e in p["episodes"])
+                                         for p in per],
+            "unrecovered": [float(any(not ok for _, ok in p["recoveries"])) for p in per],
+            "eval": [p["eval"] for p in per],
+            "max_logit": [p["max_logit"] for p in per],
+            "old_spikes": [p["old_spikes"] for p in per],
+            "old_shifts": [p["old_shifts"] for p in per],
+            "old_never": [p["old_never"] for p in per]}
+        rows.append({"group": g.name, "seeds": seeds, "per_seed": per,
+                     "cpu": record["groups"][g.name].get("machine", {}).get("cpu", "?"),
+                     **{key: {"values": [float(x) for x in v], "mean": float(np.mean(v)),
+                              "ci": bootstrap(v)} for key, v in stats.items()},
+                     "survival": survival([r for p in per for r in p["recoveries"]])})
+    return rows
+
+
+def evidence_markdown(rows: list[dict]) -> str:
+    """The evidence table (rates per 1,000 steps after S1, mean [95% bootstrap interval] over
+    seeds), the old rules' counts beside it, and each row's recovery survival table."""
+    if not rows:
+        return "the 8-seed baseline and its QK-Norm twin have not both run yet"
+
+    def cell(r, key, fmt="{:.2f}"):
+        lo, hi = r[key]["ci"]
+        return f"{fmt.format(r[key]['mean'])} [{fmt.format(lo)}, {fmt.format(hi)}]"
+    name = {"story8": "baseline", "story8-qk": "QK-Norm from scratch"}
+    lines = ["| run | seeds | level-shift episodes / 1k steps | instability episodes / 1k "
+             "steps (not a hard batch) | all episodes / 1k steps | seeds with a shift not back "
+             "at the end | held-out (nats/byte) | max attn logit | old rules: spikes, shifts, "
+             "\"never\" per seed |", "|---" * 9 + "|"]
+    for r in rows:
+        twin = r["group"] == "story8-qk"
+        lines.append(
+            f"| {name.get(r['group'], r['group'].removeprefix('story8-'))} | {len(r['seeds'])} | "
+            f"{cell(r, 'level_shift_episodes')} | "
+            f"{'(the twin)' if twin else cell(r, 'instability_episodes')} | "
+            f"{cell(r, 'episodes')} | {cell(r, 'unrecovered', '{:.0%}')} | "
+            f"{cell(r, 'eval', '{:.3f}')} | {cell(r, 'max_logit', '{:,.0f}')} | "
+            f"{np.mean(r['old_spikes']['values']):.1f}, {np.mean(r['old_shifts']['values']):.1f}, "
+            f"{np.mean(r['old_never']['values']):.1f} |")
+    lines.append("\nRecovery of the level shifts (back within max(0.05 nats, the smoothed loss's "
+                 "noise) of the level before; a shift whose run ended first is censored), share "
+                 "not back after k steps (at risk):\n")
+    lines += ["| run | " + " | ".join(f"k = {x['k']}" for x in rows[0]["survival"]) + " |",
+              "|---" * (1 + len(rows[0]["survival"])) + "|"]
+    for r in rows:
+        lines.append(f"| {name.get(r['group'], r['group'].removeprefix('story8-'))} | "
+                     + " | ".join("—" if not x["at_risk"] else
+                                  f"{x['share_not_back']:.0%} ({x['at_risk']})"
+                                  for x in r["survival"]) + " |")
+    cpus = sorted({r["cpu"] for r in rows})
+    lines.append(f"\nRan on: {'; '.join(cpus)}. Intervals: 95% percentile bootstrap over seeds "
+                 "(10,000 resamples, fixed RNG). A difference is called only where two "
+                 "intervals do not overlap.")
+    return "\n".join(lines)
+
+
 def load() -> dict:
     return json.loads(OUT.read_text()) if OUT.exists() else {"machine": {}, "groups": {}}
 
@@ -783,6 +911,9 @@ def main(argv: list[str]) -> int:
         return 0
     if "--sweep" in argv:
         print(sweep_markdown(record))
+        return 0
+    if "--evidence" in argv:
+        print(evidence_markdown(evidence_rows(record)))
         return 0
     if "--plot" in argv:  # the figures, and both tables into results/README.md
         print(f"wrote {plot(record, OUT.parent)}")

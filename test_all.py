@@ -2880,6 +2880,52 @@ def test_the_levers_count_events_after_the_baselines_s1_of_each_seed():
     assert "| clip-0.2 | 1, 0 | 0, 0 | 1.700 ± 0.000 |" in SE.levers_markdown(record)
 
 
+def test_the_evidence_counts_episodes_by_the_fixed_rules_from_the_stored_curves(
+        tmp_path, monkeypatch):
+    """Planted curves for 3 seeds: after S1 (500) a hard batch at 520 (the QK-Norm twin jumps
+    there too), a spike of the baseline's own at 700, a level shift at 800 that is not back at
+    the end (censored), QK-Norm inserted at 750 into the baseline (spliced: its detectors see
+    the baseline's steps before 750)."""
+    import search as SE
+    monkeypatch.setattr(SE, "SEED_CURVES", tmp_path)
+    rng = np.random.default_rng(0)
+
+    def write(group, seed, loss, first=0, evals=(2.0, 1.9, 1.9)):
+        (tmp_path / group).mkdir(exist_ok=True)
+        n = len(loss)
+        np.savez(tmp_path / group / f"seed{seed}.npz", loss=loss, update_norm=np.ones(n),
+                 grad_norm=np.ones(n), attn_logit_max=np.ones((n, 2)),
+                 eval_step=np.array([250, 500, 1000]), eval_loss=np.array(evals),
+                 first_step=np.int64(first))
+    for seed in (0, 1, 2):
+        twin = 2.0 + 0.02 * rng.standard_normal(1000)
+        base = twin + 0.01
+        twin[520] += 1.0
+        base[520] += 1.0
+        base[700] += 1.0
+        base[800:] += 0.3
+        write("story8", seed, base, evals=(2.0, 1.9, 2.2))
+        write("story8-qk", seed, twin)
+        write("story8-qk-inserted", seed, twin[750:].copy(), first=750)
+    record = {"groups": {g: {"members": [{"seed": s} for s in (0, 1, 2)]}
+                         for g in ("story8", "story8-qk", "story8-qk-inserted")}}
+    rows = {r["group"]: r for r in SE.evidence_rows(record)}
+    base = rows["story8"]
+    assert [(e.start, e.level_shift, e.hard_batch) for e in base["per_seed"][0]["episodes"]] \
+        == [(520, False, True), (700, False, False), (800, True, False)]
+    assert base["episodes"]["mean"] == pytest.approx(3 / 500 * 1000)  # 3 in the 500 after S1
+    assert base["instability_episodes"]["mean"] == pytest.approx(2 / 500 * 1000)
+    assert base["level_shift_episodes"]["mean"] == pytest.approx(1 / 500 * 1000)
+    assert base["unrecovered"]["mean"] == 1.0
+    assert base["survival"][0] == {"k": 100, "at_risk": 3, "not_back": 3, "share_not_back": 1.0}
+    assert base["survival"][2]["at_risk"] == 0  # censored: the runs ended 199 steps after
+    inserted = rows["story8-qk-inserted"]
+    assert [p["from"] for p in inserted["per_seed"]] == [750] * 3
+    assert inserted["episodes"]["mean"] == 0.0  # the twin's steps, spliced: no event
+    assert "| baseline | 3 | 2.00 [2.00, 2.00] | 4.00 [4.00, 4.00] |" in \
+        SE.evidence_markdown(list(rows.values()))
+
+
 @pytest.mark.slow
 def test_a_search_member_is_the_train_py_run_of_its_lr_and_seed(tmp_path):
     """search.py vmaps train.py's own step over seeds (one compiled step per LR): for 120 steps
