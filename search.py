@@ -762,6 +762,49 @@ def evidence_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot_evidence(rows: list[dict], out: pathlib.Path) -> pathlib.Path:
+    """results/evidence.png: per seed, the baseline's train loss (raw, faint; EMA 20, bold)
+    against its QK-Norm twin's and, where it ran, QK-Norm inserted mid-run (from its step);
+    the baseline's episodes after S1 marked: level shifts (x), one-step spikes (o), hard
+    batches (open o: the twin jumped there too)."""
+    plt = pyplot()
+    by = {r["group"]: r for r in rows}
+    base = by["story8"]
+    n = len(base["seeds"])
+    cols = 4
+    fig, axes = plt.subplots(-(-n // cols), cols, figsize=(14, 3.0 * -(-n // cols)),
+                             squeeze=False, sharey=True)
+    for ax, p in zip(axes.flat, base["per_seed"]):
+        seed = p["seed"]
+        b = seed_curve("story8", seed)
+        ax.plot(b["step"], b["loss"], color="C0", lw=0.3, alpha=0.35)
+        ax.plot(b["step"], ema(b["loss"]), color="C0", lw=1.1, label="baseline")
+        t = seed_curve("story8-qk", seed)
+        ax.plot(t["step"], ema(t["loss"]), "--", color="0.25", lw=1.0, label="QK-Norm")
+        if "story8-qk-inserted" in by and seed in by["story8-qk-inserted"]["seeds"]:
+            f = seed_curve("story8-qk-inserted", seed)
+            ax.plot(f["step"], ema(f["loss"]), color="C2", lw=1.0,
+                    label=f"QK-Norm inserted at {f['first_step']}")
+        y = ema(b["loss"])
+        for e in p["episodes"]:
+            style = ("x", 8, "C3") if e.level_shift else ("o", 4, "C1")
+            ax.plot(e.start, y[e.start], style[0], ms=style[1], color=style[2],
+                    mfc="none" if e.hard_batch else style[2])
+        ax.axvline(p["s1"], color="0.6", lw=0.8, ls=":")
+        ax.set_title(f"seed {seed} (S1 {p['s1']})", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("train loss (nats/byte)")
+        ax.set_ylim(1.2, 2.8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, loc="upper right")
+    for ax in axes.flat[n:]:
+        ax.axis("off")
+    fig.suptitle(f"the story regime, {n} seeds: the baseline learns like its QK-Norm twin (dashed) "
+                 "to S1 (dotted), then breaks;\nepisodes after S1: x level shift, o one-step "
+                 "spike, open o a hard batch (the twin jumped there too)", fontsize=10)
+    return save_figure(fig, out / "evidence.png", dpi=80)
+
+
 def load() -> dict:
     return json.loads(OUT.read_text()) if OUT.exists() else {"machine": {}, "groups": {}}
 
@@ -912,8 +955,12 @@ def main(argv: list[str]) -> int:
     if "--sweep" in argv:
         print(sweep_markdown(record))
         return 0
-    if "--evidence" in argv:
-        print(evidence_markdown(evidence_rows(record)))
+    if "--evidence" in argv:  # the table; with --plot, its figure and results/README.md
+        rows = evidence_rows(record)
+        print(evidence_markdown(rows))
+        if "--plot" in argv and rows:
+            print(f"wrote {plot_evidence(rows, OUT.parent)}")
+            update_readme(evidence_markdown(rows), part="evidence", writer="search.py")
         return 0
     if "--plot" in argv:  # the figures, and both tables into results/README.md
         print(f"wrote {plot(record, OUT.parent)}")
