@@ -15,6 +15,7 @@ import types
 import typing
 
 import numpy as np
+import tyro
 
 import guard
 from checkpoint import read_config, saved_steps
@@ -38,19 +39,20 @@ class TrainConfig:
     dist: DistConfig = DistConfig()
     wandb: WandbConfig = WandbConfig()  # optional experiment tracking (tracking.py)
     guard: GuardConfig = GuardConfig()  # `--guard`: roll back, replace the data, escalate
-    run_dir: str = "runs/default"
-    steps: int = 400  # ~6 minutes on 2 CPU cores
+    run_dir: str = "runs/default"  # checkpoints, config.json, metrics.jsonl; a run there resumes
+    steps: int = 400  # the run's length (the cpu preset's 400: a few minutes on 2 CPU cores)
     seed: int = 0  # parameter init
     log_every: int = 20  # progress line every this many steps (metrics.jsonl gets every step)
     eval_every: int = 200  # held-out loss every this many steps, and at the end
-    checkpoint_every: int = 200
+    checkpoint_every: int = 200  # steps between checkpoints (and at the end, and on Ctrl-C)
     keep_checkpoints: int = 3
     max_consecutive_nonfinite: int = 20  # stop after this many non-finite steps in a row
     per_layer_metrics: bool = True  # per-layer grad/update norms and q/k weight norms
     resume_step: int | None = None  # resume from this checkpoint instead of the latest
     dry_run: bool = False  # print sizes and per-device bytes, allocate nothing
     init_from_hf: str = ""  # start from the weights of a Hugging Face Llama / Qwen3 folder
-    warm_started_from: str = ""  # "RUN@STEP": set by warmstart.py, the checkpoint it converted
+    # "RUN@STEP": set by warmstart.py, the checkpoint it converted (not a flag to give)
+    warm_started_from: tyro.conf.Suppress[str] = ""
 
     def __post_init__(self):
         for name in ("steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",

@@ -38,9 +38,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02  # OLMo 2: N(0, 0.02)
     dtype: str = "float32"  # compute dtype; "bfloat16" on accelerators (params stay float32)
-    # Layers run as a lax.scan loop: compile time independent of depth. False unrolls the loop
-    # (same stacked parameters, same checkpoints): XLA then fuses across layers, faster on a
-    # shallow model (bench/README.md), but compile time grows with depth.
+    # True: the layers run as a lax.scan loop, compile time independent of depth. False unrolls
+    # it (same stacked parameters, same checkpoints): XLA fuses across layers, faster on a
+    # shallow model (the cpu and story presets), but compile time grows with depth.
     scan_layers: bool = True
     # Which attention computes the same math (attention.py): auto picks by platform and length;
     # dense is the reference (and what the recorded experiments ran); blockwise is O(T) memory.
@@ -187,11 +187,6 @@ def _nest(flat: dict) -> dict:
             node = node.setdefault(p, {})
         node[leaf] = value
     return out
-
-
-def param_specs(cfg: ModelConfig, gathered: bool = False) -> dict:
-    """The params pytree's PartitionSpecs."""
-    return _nest({k: logical_to_spec(s.axes, gathered) for k, s in param_table(cfg).items()})
 
 
 def decay_mask(cfg: ModelConfig) -> dict:

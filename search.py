@@ -294,14 +294,6 @@ def curve_arrays(a: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Outcomes
 
-def events_after(loss, update_norm, after: int) -> tuple[int, int]:
-    """(one-step spikes, level shifts) starting at or after step `after`, by report.py's rules
-    at their defaults."""
-    m = {"step": np.arange(len(loss)), "loss": loss, "update_norm": update_norm}
-    return (sum(s.step >= after for s in find_spikes(m)),
-            sum(s.step >= after for s in find_shifts(m)))
-
-
 def outcomes(g: Group, members: list[tuple[float, int, dict, int]]) -> list[dict]:
     """Per member (lr, seed, arrays, index): report.py's events (steps counted from 0; a fork's
     on its source's curve up to the fork, then its own: the detectors armed), held-out, max
