@@ -297,10 +297,12 @@ class Log:
             rate = self.tokens_per_step / per_step
             self.shown = (step, now)
             ev = f" | eval {m['eval_loss']:.4f}" if "eval_loss" in m else ""
+            seen = (step + 1) * self.tokens_per_step
             say(f"step {step:>6}/{self.cfg.steps} | loss {m['loss']:.4f}{ev} | "
                 f"grad {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
-                f"logit max {max(m['attn_logit_max']):.1f} | "
-                f"{rate / 1e3:.1f}k tok/s | ETA {eta}", flush=True)
+                f"logit max {max(m['attn_logit_max']):.1f} | {seen / 1e6:.2f}M tok | "
+                f"{rate / 1e3:.1f}k tok/s | {fmt_time(now - self.t_start)} | ETA {eta}",
+                flush=True)
         finite = math.isfinite(m["loss"] + m["grad_norm"])
         self.nonfinite = 0 if finite else self.nonfinite + 1
         return m
@@ -401,6 +403,7 @@ def train(cfg: TrainConfig, devices=None) -> dict:
                 state = insert_qk_norm(cfg, state, mesh)
             tx, data = make_tx(cfg), load_data(cfg)
             say(f"guard: {len(acted(events))} recorded action(s) re-applied")
+        say(identity(cfg))
         if jax.process_index() == 0:
             write_config(run_dir, dataclasses.asdict(user_cfg))
         mngr = mngr or checkpoint_manager(run_dir, cfg.keep_checkpoints)
@@ -416,6 +419,22 @@ def effective(user_cfg: TrainConfig, events: list, restored_at: int | None = Non
         done = ", ".join(f"{x['escalation']} at step {x['rollback_to']}" for x in acted(events)
                          if x.get("escalation"))
         raise UserError(f"the guard escalated this run ({done}; events.jsonl): {e}") from None
+
+
+def identity(cfg: TrainConfig) -> str:
+    """The run in three lines: the model, the optimizer and its levers, the data."""
+    m, o, d = cfg.model, cfg.optim, cfg.data
+    levers = [x for x, on in (("QK-Norm", m.qk_norm), (f"QK-Clip {o.qk_clip:g}", o.qk_clip),
+                              (f"grad clip {o.max_grad_norm:g}", o.max_grad_norm),
+                              ("skip-step", o.skip_step), (f"update clip {o.update_clip}",
+                                                           o.update_clip != "off"),
+                              ("guard", cfg.guard.on)) if on]
+    return (f"model: d_model {m.d_model}, {m.n_layers} layers, {m.n_heads}/{m.n_kv_heads} "
+            f"heads, vocab {m.vocab_size}, seed {cfg.seed}\n"
+            f"optim: {o.optimizer}, LR {o.lr:g} (warmup {o.warmup_steps}), beta2 {o.b2:g}; "
+            f"levers: {', '.join(levers) or 'none'}\n"
+            f"data: {d.source or 'the embedded corpus'}, batch {d.batch_size} x {d.seq_len}, "
+            f"seed {d.seed}; {cfg.steps} steps")
 
 
 def losses_before(run_dir: pathlib.Path, start: int) -> dict[int, float]:
@@ -475,8 +494,12 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None, events=()
         return jax.make_array_from_process_local_data(batch_sharding, tokens)
 
     eval_tokens = put_held_out(data, mesh, rows)
-    stop = StopRequested(run_dir)
     start = int(state["step"])
+    if start >= cfg.steps:  # a finished run, resumed: nothing to train
+        say(f"{run_dir} is done (step {start} of {cfg.steps}): sample it with python sample.py "
+            f"{run_dir}, or train on with python train.py --resume {run_dir} --steps N")
+        return {}
+    stop = StopRequested(run_dir)
     log = Log(cfg, run_dir, start)
     prev, last = None, {}
 
@@ -577,6 +600,7 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None, events=()
 def main(argv: list[str]) -> int:
     cfg = parse_config(argv)
     start_distributed(cfg.dist)
+    t0 = time.perf_counter()
     try:
         last = train(cfg)
     except jax.errors.JaxRuntimeError:  # a collective cut off by a process that stopped
@@ -586,7 +610,9 @@ def main(argv: list[str]) -> int:
     if last:
         say(f"done: step {last['step'] + 1}, held-out loss {last['eval_loss']:.4f} "
             f"nats/{token_unit(cfg.data.source)}, {last.get('avg_tokens_per_s', 0):.0f} "
-            "tokens/s on average")
+            f"tokens/s on average, {fmt_time(time.perf_counter() - t0)} in all; checkpoint "
+            f"step {last['step'] + 1} in {cfg.run_dir}. Sample: python sample.py "
+            f"{cfg.run_dir}; train on: python train.py --resume {cfg.run_dir} --steps N")
     return 0
 
 

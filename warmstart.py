@@ -205,7 +205,8 @@ def main(argv: list[str]) -> int:
     cfg = convert(args, overrides)
     if not args.no_train:
         last = train.train(cfg)
-        print(f"done: step {last['step'] + 1}, held-out loss {last['eval_loss']:.4f}")
+        if last:  # (a finished warm start run again says so, and trains nothing)
+            print(f"done: step {last['step'] + 1}, held-out loss {last['eval_loss']:.4f}")
     return 0
 
 
