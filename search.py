@@ -9,18 +9,20 @@ with its outcome, goes to results/search.json.
     python search.py --sweep             # the LR sweep and its LR sensitivity (README table)
     python search.py --plot              # results/search.png, levers.png, lr_sweep.png and
                                          # the three tables in results/README.md
+    python search.py --evidence [--plot] # the 8-seed rates with intervals (results/evidence.png)
+    python search.py --rerun story8 --seed 3   # train one stored member again, judge it alike
 
-A *group* is one compiled train step over several *members* (learning rates x seeds) stacked
-with `jax.vmap`, stepped `chunk` steps at a time inside one `lax.scan`: one dispatch and one
-host read per chunk instead of per step, and the small matmuls of a d_model-64 model batched
-into larger ones. Each member is an ordinary run of train.py's math (model.loss_fn and
-optim.make_optimizer) with its own init seed and data seed; only the learning rate is applied
-outside the optimizer (a constant schedule at peak 1, times the member's LR), so that one
-compiled step serves every LR of the grid.
+A *group* is train.py's own step (`train.build_train_step`, the LR inside the optimizer chain)
+vmapped over *members* (seeds; one compiled step per LR of the group) and stepped `chunk`
+steps at a time inside one `lax.scan`: one dispatch and one host read per chunk instead of per
+step. Each member is the train.py run of its LR and seed (init and data order both drawn from
+the seed), to float32 rounding: a test runs one beside train.py for 120 steps. Every member's
+per-step curves are kept in results/curves/GROUP/seedN.npz.
 
 The outcome of each member is judged by report.py's fixed rules (the one-step spike rule and the
-level-shift rule, at their defaults: never tuned here), counted after the step S1 at which the
-run is compared with the QK-Norm run of the same group settings.
+level-shift rule, at their defaults: never tuned here; the episode rules for the evidence),
+counted after the step S1 at which the run is compared with the QK-Norm run of the same group
+settings.
 """
 
 import dataclasses
@@ -35,10 +37,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tyro
 
 import train as T
 from checkpoint import init_state
-from cli import UserError, command
+from cli import UserError, command, parse
 from config import PRESETS, TrainConfig
 from data import TokenData
 from experiments import ema, machine, update_readme
@@ -654,11 +657,12 @@ def seed_curve(group: str, seed: int) -> dict:
             "eval_loss": c["eval_loss"], "first_step": first}
 
 
-def judged(g: Group, seed: int, base: str, twin: str) -> dict:
+def judged(g: Group, seed: int, base: str, twin: str, curve: dict | None = None) -> dict:
     """One member judged by the episode rules: its curve (a fork's spliced onto its source's),
     S1 (the baseline's last eval within 0.05 of the twin's), the episodes from S1 (a fork's
-    from its fork step) with the twin's hard-batch control, each shift's recovery."""
-    m = seed_curve(g.name, seed)
+    from its fork step) with the twin's hard-batch control, each shift's recovery. `curve`:
+    judge this curve instead of the stored one (a rerun)."""
+    m = curve or seed_curve(g.name, seed)
     first = m["first_step"]
     if first:
         m = spliced(seed_curve(g.fork, seed), m, first) | {
@@ -797,6 +801,47 @@ def plot_evidence(rows: list[dict], out: pathlib.Path) -> pathlib.Path:
     return save_figure(fig, out / "evidence.png", dpi=80)
 
 
+RERUN_KEYS = ("level_shift_episodes", "instability_episodes", "episodes", "unrecovered", "eval",
+              "max_logit")
+
+
+def rerun(name: str, seed: int, log=print) -> list[tuple[str, float, tuple, tuple, bool, bool]]:
+    """Train one stored member again (group `name`, `seed`; on this machine, alone in its
+    compiled step) and judge it by the same rules: per figure (value, the row's 95% interval of
+    the mean, the seeds' range, inside the interval, inside the range)."""
+    g = next((x for x in EVIDENCE_GROUPS if x.name == name), None)
+    record = load()
+    if g is None or name not in record["groups"]:
+        raise UserError(f"--rerun {name}: not an evidence row that has run; python search.py "
+                        "--list")
+    if g.fork:
+        raise UserError(f"--rerun {name}: a mid-run row starts from its source's kept state; "
+                        f"rerun {g.fork} instead")
+    if seed not in g.seeds:
+        raise UserError(f"--rerun {name} --seed {seed}: the row's seeds are {list(g.seeds)}")
+    a = train_members(g.config(), (seed,), log=log)
+    n = len(a["loss"][0])
+    curve = {"step": np.arange(n), "loss": a["loss"][0].astype(np.float64),
+             "update_norm": a["update_norm"][0].astype(np.float64),
+             "attn_logit_max": a["attn_logit_max"][0], "eval_step": a["eval_step"],
+             "eval_loss": a["eval_loss"][0], "first_step": 0}
+    p = judged(g, seed, "story8", "story8-qk", curve)
+    k = 1000 / p["steps"]
+    value = {"level_shift_episodes": k * sum(e.level_shift for e in p["episodes"]),
+             "instability_episodes": k * sum(not e.hard_batch for e in p["episodes"]),
+             "episodes": k * len(p["episodes"]),
+             "unrecovered": float(any(not ok for _, ok in p["recoveries"])),
+             "eval": p["eval"], "max_logit": p["max_logit"]}
+    row = next(r for r in evidence_rows(record) if r["group"] == name)
+    out = []
+    for key in RERUN_KEYS:
+        lo, hi = row[key]["ci"]
+        vals = row[key]["values"]
+        out.append((key, value[key], (lo, hi), (min(vals), max(vals)), lo <= value[key] <= hi,
+                    min(vals) <= value[key] <= max(vals)))
+    return out
+
+
 def load() -> dict:
     return json.loads(OUT.read_text()) if OUT.exists() else {"machine": {}, "groups": {}}
 
@@ -923,38 +968,53 @@ def run(groups: list[Group]) -> None:
         print(summary(rows), flush=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class SearchArgs:
+    groups: tyro.conf.Positional[tuple[str, ...]] = ()  # groups to run (default: all not done)
+    list: bool = False  # the groups and whether each is done
+    summary: bool = False  # the table of outcomes (no training)
+    markdown: bool = False  # the README's table of the search
+    levers: bool = False  # the levers on the story regime
+    sweep: bool = False  # the LR sweep and its LR sensitivity
+    evidence: bool = False  # the 8-seed rates with intervals (with --plot: figure, README)
+    plot: bool = False  # the figures and tables into results/
+    rerun: str = ""  # rerun one stored member of this evidence group (with --seed)
+    seed: int = 0  # the seed --rerun trains again
+
+
 def main(argv: list[str]) -> int:
-    names = [a for a in argv if not a.startswith("--")]
-    unknown = set(names) - {g.name for g in GROUPS}
+    args = parse(SearchArgs, argv, description=__doc__)
+    unknown = set(args.groups) - {g.name for g in GROUPS}
     if unknown:
         raise UserError(f"unknown group {sorted(unknown)[0]!r}; python search.py --list")
-    groups = [g for g in GROUPS if not names or g.name in names]
+    groups = [g for g in GROUPS if not args.groups or g.name in args.groups]
     record = load()
-    if "--list" in argv:
+    rows = [r for v in record["groups"].values() for r in v["members"]]
+    if args.list:
         for g in groups:
             print(f"{g.name:<28} {'done' if g.name in record['groups'] else 'to run'}")
-        return 0
-    rows = [r for v in record["groups"].values() for r in v["members"]]
-    if "--summary" in argv:
+    elif args.summary:
         print(summary(rows))
-        return 0
-    if "--markdown" in argv:
+    elif args.markdown:
         print(markdown(rows))
-        return 0
-    if "--levers" in argv:
+    elif args.levers:
         print(levers_markdown(record))
-        return 0
-    if "--sweep" in argv:
+    elif args.sweep:
         print(sweep_markdown(record))
-        return 0
-    if "--evidence" in argv:  # the table; with --plot, its figure and results/README.md
-        rows = evidence_rows(record)
-        print(evidence_markdown(rows))
-        if "--plot" in argv and rows:
-            print(f"wrote {plot_evidence(rows, OUT.parent)}")
-            update_readme(evidence_markdown(rows), part="evidence", writer="search.py")
-        return 0
-    if "--plot" in argv:  # the figures, and both tables into results/README.md
+    elif args.rerun:
+        print(f"rerunning {args.rerun} seed {args.seed} on {machine()['cpu']} (the row ran on "
+              f"{record['groups'].get(args.rerun, {}).get('machine', {}).get('cpu', '?')})")
+        for key, v, ci, span, in_ci, in_span in rerun(args.rerun, args.seed):
+            print(f"  {key:<22} {v:10.3f}   row mean's 95% interval [{ci[0]:.3f}, {ci[1]:.3f}]"
+                  f" {'inside' if in_ci else 'OUTSIDE'}; seeds' range [{span[0]:.3f}, "
+                  f"{span[1]:.3f}] {'inside' if in_span else 'OUTSIDE'}")
+    elif args.evidence:
+        ev = evidence_rows(record)
+        print(evidence_markdown(ev))
+        if args.plot and ev:
+            print(f"wrote {plot_evidence(ev, OUT.parent)}")
+            update_readme(evidence_markdown(ev), part="evidence", writer="search.py")
+    elif args.plot:  # the figures, and the tables into results/README.md
         print(f"wrote {plot(record, OUT.parent)}")
         if any(g.name in record["groups"] for g in LEVERS):
             print(f"wrote {plot_levers(record, OUT.parent)}")
@@ -965,8 +1025,8 @@ def main(argv: list[str]) -> int:
         update_readme(markdown(rows), part="search", writer="search.py")
         print(f"wrote the levers', the LR sweep's and the search's tables in "
               f"{OUT.parent}/README.md")
-        return 0
-    run(groups)
+    else:
+        run(groups)
     return 0
 
 
