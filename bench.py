@@ -4,6 +4,8 @@
     python bench.py --rounds 3       # quicker, noisier
     python bench.py --story          # where the story preset's step time goes (~5 minutes);
                                      # writes bench/results-story.json
+    python bench.py --harness        # the search harness per member-step (~10 minutes);
+                                     # writes bench/results-harness.json
     python bench.py --accelerator    # one GPU: a 0.9B model at seq 4,096 in bfloat16 (~2 min);
                                      # writes bench/results-gpu.json
 
@@ -427,9 +429,15 @@ def main():
     parser.add_argument("--out", help="results file (default bench/results.json; "
                         "bench/results-story.json with --story, bench/results-gpu.json with "
                         "--accelerator)")
+    parser.add_argument("--harness", action="store_true",
+                        help="the search harness per member-step (~10 minutes)")
+    parser.add_argument("--harness-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--against", help="with --harness: an older search.py to time too")
     args = parser.parse_args()
     if args.worker:
         return worker()
+    if args.harness:
+        return harness_main(args)
     if args.accelerator:
         return accelerator_main(args)
     if args.story:
@@ -770,6 +778,68 @@ def story_main(args) -> int:
               "CPU while the steps were timed: these figures are not from an idle machine")
     out = pathlib.Path(args.out or "bench/results-story.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(r, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# bench.py --harness: the search harness's time per member-step
+
+HARNESS_STEPS = 150  # 3 chunks of 50: the first compiles, the other two are timed
+
+
+def harness_member_step(members: int, scan: bool) -> float:
+    """Seconds per member-step of search.train_members on the story preset: the median chunk
+    after the compile (batches, dispatch, compute and the host read of the metrics)."""
+    g = dataclasses.replace(S.STORY, steps=HARNESS_STEPS, seeds=tuple(range(members)),
+                            model=(("scan_layers", scan),))
+    a = S.train_members(g.config(), g.seeds, chunk=50, eval_every=10**9, log=lambda _: None)
+    return statistics.median(s / n for n, s in a["chunk_seconds"][1:]) / members
+
+
+def harness_main(args) -> int:
+    """The harness per member-step, side by side in this run: 3, 8 and 16 members with the
+    story preset's unrolled layers, 8 with scanned ones; two processes of 8 members, each
+    pinned to one core (their combined rate); and, with --against OLD_SEARCH_PY, an older
+    search.py's train_group (3 seeds, 50 vs 200 steps: the difference has no compile)."""
+    if args.harness_worker:
+        print(json.dumps(harness_member_step(8, False)))
+        return 0
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        print(f"note: load average {load:.1f} at the start: let other work finish first")
+    busy, own, wall = cpu_busy_seconds(), own_cpu_seconds(), time.perf_counter()
+    r = {"machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "jax": jax.__version__},
+         "member_step_s": {}}
+    for members, scan in ((3, False), (8, False), (16, False), (8, True)):
+        key = f"{members} members, {'scanned' if scan else 'unrolled'}"
+        print(f"  {key} ...", flush=True)
+        r["member_step_s"][key] = harness_member_step(members, scan)
+    print("  2 processes of 8 members, one core each ...", flush=True)
+    procs = [subprocess.Popen(["taskset", "-c", str(i), sys.executable, __file__, "--harness",
+                               "--harness-worker"], stdout=subprocess.PIPE, text=True)
+             for i in range(2)]
+    each = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+    r["member_step_s"]["2 pinned processes x 8 members (combined)"] = 1 / sum(1 / x for x in each)
+    if args.against:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("old_search", args.against)
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+        secs = [old.train_group(dataclasses.replace(old.STORY, steps=k), eval_every=k,
+                                log=lambda _: None)["seconds"] for k in (50, 200)]
+        r["member_step_s"][f"older harness ({args.against}, 3 seeds)"] = \
+            (secs[1] - secs[0]) / (150 * len(old.STORY.seeds))
+    other = (cpu_busy_seconds() - busy) - (own_cpu_seconds() - own)
+    r["other_processes_cpu_fraction"] = other / ((time.perf_counter() - wall) * os.cpu_count())
+    print(f"\nthe search harness on the story preset, ms per member-step ({r['machine']['cpu']}):")
+    for k, v in r["member_step_s"].items():
+        print(f"  {k:<56} {v * 1e3:6.1f}")
+    if r["other_processes_cpu_fraction"] > 0.05:
+        print(f"WARNING: other processes used {r['other_processes_cpu_fraction']:.0%} of the CPU "
+              "while it timed: not an idle machine")
+    out = pathlib.Path(args.out or "bench/results-harness.json")
     out.write_text(json.dumps(r, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
