@@ -570,28 +570,33 @@ def save_figure(fig, path: pathlib.Path, dpi: int) -> pathlib.Path:
 
 
 def plot(runs: dict[str, dict], out: pathlib.Path, rule: SpikeRule = SpikeRule(),
-         title: str = "") -> list[pathlib.Path]:
+         title: str = "", unit: str = "") -> list[pathlib.Path]:
     """Two PNGs: an overview (loss with spikes marked, grad and update norm, the largest
-    attention logit, LR, skipped steps; the runs overlaid) and the max attention logit of
-    every layer, one panel per run. Returns their paths."""
+    attention logit, LR, and skipped steps where any was skipped; the runs overlaid) and the
+    max attention logit of every layer, one panel per run. `unit`: "byte" or "token" (what
+    the loss is per). Returns their paths."""
     plt = pyplot()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot write figures to {out}: {e.strerror}") from None
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    fig, axes = plt.subplots(5, 1, figsize=(10, 13), sharex=True,
-                             gridspec_kw={"height_ratios": [3, 2, 2, 1, 1]})
+    skips = any(np.nansum(m.get("skipped", 0)) > 0 for m in runs.values())
+    fig, axes = plt.subplots(4 + skips, 1, figsize=(10, 11 + 2 * skips), sharex=True,
+                             gridspec_kw={"height_ratios": [3, 2, 2, 1] + [1] * skips})
+    guarded = False
     for (name, m), color in zip(runs.items(), colors * 9):
         x = m["step"]
-        axes[0].plot(x, m["loss"], color=color, lw=0.8, label=name)
+        axes[0].plot(x, m["loss"], color=color, lw=0.6, alpha=0.8, label=f"{name}: train")
         if len(m["eval_loss"]):
-            axes[0].plot(m["eval_step"], m["eval_loss"], "o", color=color, ms=4)
+            axes[0].plot(m["eval_step"], m["eval_loss"], "o", color=color, ms=7, mec="black",
+                         zorder=3, label=f"{name}: held out")
         spikes = find_spikes(m, rule)
         idx = [int(np.searchsorted(x, s.peak_step)) for s in spikes]
         axes[0].plot(x[idx], np.minimum(m["loss"][idx], 1e3), "v", color=color, ms=9, mfc="none")
         for e in m.get("guard_events", []):  # the guard's rollbacks: where the run went back to
             if "rollback_to" in e:
+                guarded = True
                 axes[0].axvline(e["rollback_to"], color=color, lw=0.8,
                                 ls="-." if e.get("escalation") else "--")
         axes[1].semilogy(x, m["grad_norm"], color=color, lw=0.8)
@@ -600,19 +605,22 @@ def plot(runs: dict[str, dict], out: pathlib.Path, rule: SpikeRule = SpikeRule()
                              color=color, lw=0.8, ls=":")
         axes[2].semilogy(x, np.max(m["attn_logit_max"], axis=1), color=color, lw=1)
         axes[3].plot(x, m["lr"], color=color, lw=1)
-        if "skipped" in m:
+        if skips and "skipped" in m:
             axes[4].plot(x, np.cumsum(m["skipped"]), color=color, lw=1)
-    axes[0].set_ylabel("loss (nats/token)")
+    axes[0].set_ylabel(f"loss (nats/{unit})" if unit else "loss (nats)")
     axes[0].legend(fontsize=8, loc="upper right")
-    axes[0].set_title(title or "loss (lines: train, dots: held out, triangles: detected spikes)")
+    axes[0].set_title(title or "loss (triangles: detected spikes" + (
+        "; dashed: where the guard rolled back to, dash-dot: where it escalated" if guarded
+        else "") + ")", fontsize=9)
     axes[1].set_ylabel("norm (log)")
     axes[1].set_title("grad norm before clipping (solid); update norm / its median (dotted)",
                       fontsize=9)
     axes[2].set_ylabel("max |q.k| (log)")
     axes[2].set_title("largest attention logit over layers", fontsize=9)
     axes[3].set_ylabel("LR")
-    axes[4].set_ylabel("skipped")
-    axes[4].set_xlabel("step")
+    if skips:
+        axes[4].set_ylabel("steps skipped")
+    axes[-1].set_xlabel("step")
     for ax in axes:
         ax.grid(alpha=0.3)
     paths = [save_figure(fig, out / "overview.png", dpi=90)]

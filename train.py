@@ -588,8 +588,8 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None, events=()
         try:  # the run is saved; a report that cannot be made is a note, not a failure
             metrics = read_metrics(run_dir)
             print(text := event_report(metrics, str(run_dir)))
-            figures = plot({run_dir.name: metrics}, run_dir / "figures") if log.tracker.run \
-                else []
+            figures = plot({run_dir.name: metrics}, run_dir / "figures",
+                           unit=token_unit(cfg.data.source)) if log.tracker.run else []
             log.tracker.finish(text, figures)
         except UserError as e:
             print(f"note: no spike report: {e}", file=sys.stderr)
