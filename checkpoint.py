@@ -185,11 +185,16 @@ def strict_json(obj, indent: int | None = None) -> str:
 def checkpoint_manager(run_dir: pathlib.Path, keep: int = 3, read_only: bool = False
                        ) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(  # (read-only: what orbax would set, and warn of)
-        max_to_keep=None if read_only else keep, save_interval_steps=0 if read_only else 1,
-        enable_async_checkpointing=True, create=not read_only, read_only=read_only)
-    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+        preservation_policy=ocp.checkpoint_managers.LatestN(None if read_only else keep),
+        save_interval_steps=0 if read_only else 1, enable_async_checkpointing=True,
+        create=not read_only, read_only=read_only)
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    for args in (ocp.args.StandardSave, ocp.args.StandardRestore):
+        registry.add("state", args, ocp.StandardCheckpointHandler())
+    for args in (ocp.args.JsonSave, ocp.args.JsonRestore):
+        registry.add("meta", args, ocp.JsonCheckpointHandler())
     return ocp.CheckpointManager(run_dir.absolute() / "checkpoints", options=options,
-                                 item_handlers=handlers)
+                                 handler_registry=registry)
 
 
 def saved_steps(run_dir: pathlib.Path) -> list[int]:
