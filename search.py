@@ -703,6 +703,8 @@ def evidence_rows(record: dict, base: str = "story8", twin: str = "story8-qk") -
             "episodes": k * [len(p["episodes"]) for p in per],
             "instability_episodes": k * [sum(not e.hard_batch for e in p["episodes"])
                                          for p in per],
+            "with_shift": [float(any(e.level_shift for e in p["episodes"])) for p in per],
+            "hard_batches": [sum(bool(e.hard_batch) for e in p["episodes"]) for p in per],
             "unrecovered": [float(any(not ok for _, ok in p["recoveries"])) for p in per],
             "eval": [p["eval"] for p in per],
             "max_logit": [p["max_logit"] for p in per],
@@ -727,17 +729,19 @@ def evidence_markdown(rows: list[dict]) -> str:
         lo, hi = r[key]["ci"]
         return f"{fmt.format(r[key]['mean'])} [{fmt.format(lo)}, {fmt.format(hi)}]"
     name = {"story8": "baseline", "story8-qk": "QK-Norm from scratch"}
-    lines = ["| run | seeds | level-shift episodes / 1k steps | instability episodes / 1k "
-             "steps (not a hard batch) | all episodes / 1k steps | seeds with a shift not back "
-             "at the end | held-out (nats/byte) | max attn logit | old rules: spikes, shifts, "
-             "\"never\" per seed |", "|---" * 9 + "|"]
+    lines = ["| run | seeds | seeds with a level-shift episode | level-shift episodes / 1k "
+             "steps | instability episodes / 1k steps (not a hard batch) | all episodes / 1k "
+             "steps (hard batches in all) | seeds with a shift not back at the end | held-out "
+             "(nats/byte) | max attn logit | old rules: spikes, shifts, \"never\" per seed |",
+             "|---" * 10 + "|"]
     for r in rows:
         twin = r["group"] == "story8-qk"
         lines.append(
             f"| {name.get(r['group'], r['group'].removeprefix('story8-'))} | {len(r['seeds'])} | "
-            f"{cell(r, 'level_shift_episodes')} | "
+            f"{cell(r, 'with_shift', '{:.0%}')} | {cell(r, 'level_shift_episodes')} | "
             f"{'(the twin)' if twin else cell(r, 'instability_episodes')} | "
-            f"{cell(r, 'episodes')} | {cell(r, 'unrecovered', '{:.0%}')} | "
+            f"{cell(r, 'episodes')} ({'—' if twin else int(sum(r['hard_batches']['values']))}) | "
+            f"{cell(r, 'unrecovered', '{:.0%}')} | "
             f"{cell(r, 'eval', '{:.3f}')} | {cell(r, 'max_logit', '{:,.0f}')} | "
             f"{np.mean(r['old_spikes']['values']):.1f}, {np.mean(r['old_shifts']['values']):.1f}, "
             f"{np.mean(r['old_never']['values']):.1f} |")

@@ -2924,8 +2924,8 @@ def test_the_evidence_counts_episodes_by_the_fixed_rules_from_the_stored_curves(
     inserted = rows["story8-qk-inserted"]
     assert [p["from"] for p in inserted["per_seed"]] == [750] * 3
     assert inserted["episodes"]["mean"] == 0.0  # the twin's steps, spliced: no event
-    assert "| baseline | 3 | 2.00 [2.00, 2.00] | 4.00 [4.00, 4.00] |" in \
-        SE.evidence_markdown(list(rows.values()))
+    assert "| baseline | 3 | 100% [100%, 100%] | 2.00 [2.00, 2.00] | 4.00 [4.00, 4.00] | 6.00 " \
+        "[6.00, 6.00] (3) |" in SE.evidence_markdown(list(rows.values()))
 
 
 @pytest.mark.slow
