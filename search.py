@@ -799,9 +799,10 @@ def plot_evidence(rows: list[dict], out: pathlib.Path) -> pathlib.Path:
         ax.legend(fontsize=6, loc="upper right")
     for ax in axes.flat[n:]:
         ax.axis("off")
-    fig.suptitle(f"the story regime, {n} seeds: the baseline learns like its QK-Norm twin (dashed) "
-                 "to S1 (dotted), then breaks;\nepisodes after S1: x level shift, o one-step "
-                 "spike, open o a hard batch (the twin jumped there too)", fontsize=10)
+    fig.suptitle(f"the story regime, {n} seeds: the baseline (blue; raw faint, EMA 20 bold) "
+                 "against its QK-Norm twin (dashed); S1 (dotted): the baseline's last held-out "
+                 "eval within 0.05 nats of the twin's;\nepisodes after S1: x level shift, "
+                 "o one-step spike, open o a hard batch (the twin jumped there too)", fontsize=10)
     return save_figure(fig, out / "evidence.png", dpi=80)
 
 
