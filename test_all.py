@@ -2139,6 +2139,15 @@ def test_an_escalation_the_run_could_not_carry_out_is_refused_before_it_starts(
     assert err.count("\n") == 1 and says in err and not (tmp_path / "run").exists(), err
 
 
+def test_qk_clip_switched_on_after_the_guard_inserted_qk_norm_is_one_line():
+    escalation = {"action": "escalate", "event_step": 9, "rollback_to": 8, "replaced_until": 10,
+                  "extra_steps": 2, "escalation": "qk-norm", "rewarm_steps": 4, "rule": "shift"}
+    assert T.effective(tiny(), [escalation]).model.qk_norm
+    with pytest.raises(T.UserError, match=r"the guard escalated this run \(qk-norm at step 8; "
+                       r"events.jsonl\): --optim.qk-clip"):
+        T.effective(tiny(optim__qk_clip=50.0), [escalation])
+
+
 def test_warmstart_never_removes_a_converting_folder_it_did_not_write(tmp_path, capsys):
     src = tmp_path / "src"
     (src / "checkpoints" / "4").mkdir(parents=True)
