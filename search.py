@@ -894,7 +894,8 @@ def fork_steps(g: Group) -> dict[int, int]:
     """seed -> the step a fork of g.fork starts from: the first 250-step boundary after the
     source seed's first level shift, or where it has none, after its first one-step spike past
     the warmup (experiments.py's rule for the train.py rescues); seeds with neither are left
-    out. Read from the source's stored curves."""
+    out, and so are those whose boundary is the run's end. Read from the source's stored
+    curves."""
     src = next(x for x in GROUPS if x.name == g.fork)
     out = {}
     for seed in g.seeds:
@@ -902,8 +903,9 @@ def fork_steps(g: Group) -> dict[int, int]:
         m = {"step": np.arange(len(c["loss"])), "loss": c["loss"].astype(np.float64),
              "update_norm": c["update_norm"]}
         events = find_shifts(m) or [e for e in find_spikes(m) if e.step >= g.warmup_steps]
-        if events:
-            out[seed] = (events[0].step // src.snapshot_every + 1) * src.snapshot_every
+        at = (events[0].step // src.snapshot_every + 1) * src.snapshot_every if events else None
+        if at is not None and at < g.steps:  # (an event in the last 250 steps: no room left)
+            out[seed] = at
     return out
 
 
@@ -919,6 +921,11 @@ def train_fork(g: Group, log=print) -> dict:
     that start at the fork step (`first_step` per member)."""
     starts = fork_steps(g)
     src = next(x for x in GROUPS if x.name == g.fork)
+    for at in set(starts.values()):  # all there before anything trains
+        if not (SNAPSHOTS / src.name / f"step-{at}.npz").is_file():
+            raise UserError(f"{SNAPSHOTS / src.name}/step-{at}.npz is missing: run python "
+                            f"search.py {src.name} first (it keeps its state every "
+                            f"{src.snapshot_every} steps there)")
     src_cfg = src.config()
     src_tx = T.make_tx(src_cfg)
     mesh = jax.make_mesh((1, 1), ("data", "model"),
