@@ -935,7 +935,7 @@ def train_fork(g: Group, log=print) -> dict:
                               jnp.array(src.seeds))
     parts = {}
     for at in sorted(set(starts.values())):
-        seeds = tuple(s for s in g.seeds if starts[s] == at)
+        seeds = tuple(s for s in g.seeds if starts.get(s) == at)
         cfg = g.config()
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, rewarmup_start=at))
         with jax.set_mesh(mesh):
