@@ -973,7 +973,8 @@ def run(groups: list[Group]) -> None:
             np.savez_compressed(SEED_CURVES / g.name / f"{tag}.npz", **curve_arrays(
                 {k: v[i] if k not in ("eval_step", "first_step", "seconds", "chunk_seconds")
                  else v for k, v in a.items()}))
-        save_group(g.name, {"settings": g.settings(), "lrs": list(g.lrs), "seeds": list(g.seeds),
+        save_group(g.name, {"settings": g.settings(), "lrs": list(g.lrs),
+                            "seeds": sorted({s for _, s, _, _ in members}),
                             "seconds": round(seconds), "machine": machine(),
                             "members": outcomes(g, members)})
         rows = [r for v in load()["groups"].values() for r in v["members"]]
