@@ -2937,6 +2937,27 @@ def test_the_evidence_counts_episodes_by_the_fixed_rules_from_the_stored_curves(
         "[6.00, 6.00] (3) |" in SE.evidence_markdown(list(rows.values()))
 
 
+def test_a_fork_starts_at_the_boundary_after_the_first_event_and_needs_room(tmp_path,
+                                                                           monkeypatch):
+    """QK-Norm inserted mid-run starts at the first 250-step boundary after the source seed's
+    first level shift, or else after its first spike past the warmup; a seed whose boundary is
+    the run's end, or with no event, is left out."""
+    import search as SE
+    monkeypatch.setattr(SE, "SEED_CURVES", tmp_path)
+    rng = np.random.default_rng(0)
+    (tmp_path / "story8").mkdir()
+    for seed, (spike, shift) in enumerate([(None, 1960), (1500, None), (None, 3890),
+                                           (None, None), (500, None)]):
+        loss = 2.0 + 0.01 * rng.standard_normal(4000)
+        if spike:
+            loss[spike] += 1.0
+        if shift:
+            loss[shift:] += 0.3
+        np.savez(tmp_path / "story8" / f"seed{seed}.npz", loss=loss, update_norm=np.ones(4000))
+    fork = dataclasses.replace(SE.EVIDENCE_GROUPS[3], seeds=(0, 1, 2, 3, 4))
+    assert SE.fork_steps(fork) == {0: 2000, 1: 1750}  # 3,890: no room; none; 500: in warmup
+
+
 @pytest.mark.slow
 def test_a_search_member_is_the_train_py_run_of_its_lr_and_seed(tmp_path):
     """search.py vmaps train.py's own step over seeds (one compiled step per LR): for 120 steps
