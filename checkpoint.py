@@ -352,3 +352,17 @@ def resume(run_dir: pathlib.Path, target, keep: int, resume_step: int | None = N
             multihost_utils.sync_global_devices("spikefix: later checkpoints moved aside")
         mngr = checkpoint_manager(run_dir, keep)
     return mngr, state
+
+
+def drop_torn_line(path: pathlib.Path, announce=print) -> None:
+    """Cut a last line left half-written by a crash (a host failure, a full disk), so that the
+    records appended after it stay one per line."""
+    if not path.exists():
+        return
+    with open(path, "rb+") as f:
+        tail_start = max(0, f.seek(0, os.SEEK_END) - 2**20)
+        f.seek(tail_start)
+        tail = f.read()
+        if tail and not tail.endswith(b"\n"):
+            f.truncate(tail_start + tail.rfind(b"\n") + 1)
+            announce(f"note: dropped the cut-off last line of {path} (a crash mid-write)")

@@ -1,5 +1,6 @@
 """Processes, devices and the mesh: joining a multi-process run, the ("data", "model") mesh,
-whether a model and batch fit on it, and which rows of a batch this process holds.
+whether a model and batch fit on it, which rows of a batch this process holds; and how every
+process stops together (a signal, a failed checkpoint write).
 
     start_distributed(DistConfig(...))      # before any device is touched; no-op for 1 process
     check_fits(mesh_cfg, model_cfg, batch_size, len(jax.devices()))
@@ -12,12 +13,15 @@ over "data". Which parameter dimension goes on which axis is declared once, in m
 import atexit
 import dataclasses
 import os
+import pathlib
+import signal
 import socket
 import sys
 import threading
 import time
 
 import jax
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType
 
 from cli import UserError
@@ -212,3 +216,59 @@ def process_rows(sharding, batch_size: int) -> slice:
     (all of them on one process)."""
     rows = [i[0] for i in sharding.addressable_devices_indices_map((batch_size, 1)).values()]
     return slice(min(r.start or 0 for r in rows), max(r.stop or batch_size for r in rows))
+
+
+class StopRequested:
+    """SIGINT / SIGTERM: save a checkpoint at the next step boundary, then exit. A second
+    signal stops at once, saving nothing (the latest complete checkpoint stays the latest).
+
+    On several processes a per-process flag could deadlock the collective save (one process
+    saving step s, another s+1), so SIGTERM is left to JAX's preemption service: a signal to
+    any process reaches all, and every process stops after the same step
+    (`reached_preemption_sync_point`). Ctrl-C there is passed on as a SIGTERM to itself."""
+
+    def __init__(self, run_dir: pathlib.Path):
+        self.signal, self.run_dir = None, run_dir
+        self.multi = jax.process_count() > 1
+        for sig in (signal.SIGINT,) if self.multi else (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.handle)
+
+    def handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.signal is not None:
+            print(flush=True)  # past the terminal's ^C
+            print(f"{name} again: stopped without saving; the latest complete checkpoint in "
+                  f"{self.run_dir} is where the same command resumes", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        self.signal = signum
+        print(f"\n{name}: saving a checkpoint after this step...", flush=True)
+        if self.multi:  # to JAX's preemption notifier, which tells every process
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def requested(self, step: int) -> bool:
+        """Whether to save and stop after `step` (called once per step, on every process)."""
+        if self.multi and multihost_utils.reached_preemption_sync_point(step):
+            self.signal = self.signal or signal.SIGTERM
+            return True
+        return self.signal is not None and not self.multi
+
+
+def checkpoint_failed(error: Exception, run_dir: pathlib.Path) -> None:
+    """A checkpoint could not be written: one line naming the cause and the last good
+    checkpoint, then exit at once (orbax's writer threads would otherwise keep the process
+    alive for ever after the failure)."""
+    if peer := peer_stopped():  # another process left first, and this write failed with it
+        give_up(f"error: {peer}; process {jax.process_index()} stops too", code=1)
+    cause = str(error).split(" [tensorstore_spec")[0].split("\n")[0]
+    try:  # read from the folder: a checkpoint manager would wait for the other processes
+        good = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()
+                      if p.name.isdigit())
+    except OSError:
+        good = []
+    sys.stdout.flush()
+    print(f"error: writing a checkpoint to {run_dir}/checkpoints failed ({type(error).__name__}: "
+          f"...{cause[-160:]}); the last good checkpoint is "
+          f"{f'step {good[-1]}' if good else 'none'}. Fix the cause (disk space?) and resume "
+          "with the same command", file=sys.stderr, flush=True)
+    stop_peers(f"its checkpoint write to {run_dir} failed (see its output)")
+    os._exit(1)

@@ -38,6 +38,7 @@ import checkpoint as C
 import compat
 import config as CF
 import data as D
+import distributed as DI
 import export as E
 import guard as G
 import model as M
@@ -2015,16 +2016,16 @@ def test_a_rollback_below_the_step_a_resumed_process_started_at_is_no_traceback(
     plant_guard_events(monkeypatch, poison={7})
     cfg = tiny(tmp_path, steps=12, checkpoint_every=2, keep_checkpoints=10, guard__on=True,
                guard__margin=1, log_every=1)
-    requested = T.StopRequested.requested
+    requested = DI.StopRequested.requested
 
     def stop_after_6(self, step):
         if step == 6:
             self.signal = 2
         return requested(self, step)
-    monkeypatch.setattr(T.StopRequested, "requested", stop_after_6)
+    monkeypatch.setattr(DI.StopRequested, "requested", stop_after_6)
     with pytest.raises(SystemExit):
         T.train(cfg, devices=jax.devices()[:1])
-    monkeypatch.setattr(T.StopRequested, "requested", requested)
+    monkeypatch.setattr(DI.StopRequested, "requested", requested)
     assert C.saved_steps(tmp_path / "run")[-1] == 7
     capsys.readouterr()
     T.train(cfg, devices=jax.devices()[:1])

@@ -17,9 +17,7 @@ NOTE for readers looking for `pjit`: in current JAX, `jax.jit` with shardings *i
 import contextlib
 import dataclasses
 import math
-import os
 import pathlib
-import signal
 import sys
 import time
 
@@ -37,6 +35,7 @@ from checkpoint import (
     carry,
     check_run_dir,
     checkpoint_manager,
+    drop_torn_line,
     fresh_state,
     init_new_leaves,
     per_device_bytes,
@@ -52,14 +51,15 @@ from cli import UserError, command, parse
 from config import PRESETS, TrainConfig, check_escalation, check_same_run, load_config
 from data import TokenData, parse_ranges, token_unit
 from distributed import (
+    StopRequested,
     check_fits,
+    checkpoint_failed,
     give_up,
     make_mesh,
     peer_stopped,
     process_rows,
     say,
     start_distributed,
-    stop_peers,
 )
 from export import load_hf
 from model import count_params, decay_mask, flops_per_token, logical_to_spec, loss_fn
@@ -222,41 +222,6 @@ def dry_run(cfg: TrainConfig) -> None:
           f"per device on a {cfg.mesh.data}x{cfg.mesh.model} (data x model) mesh")
 
 
-class StopRequested:
-    """SIGINT / SIGTERM: save a checkpoint at the next step boundary, then exit. A second
-    signal stops at once, saving nothing (the latest complete checkpoint stays the latest).
-
-    On several processes a per-process flag could deadlock the collective save (one process
-    saving step s, another s+1), so SIGTERM is left to JAX's preemption service: a signal to
-    any process reaches all, and every process stops after the same step
-    (`reached_preemption_sync_point`). Ctrl-C there is passed on as a SIGTERM to itself."""
-
-    def __init__(self, run_dir: pathlib.Path):
-        self.signal, self.run_dir = None, run_dir
-        self.multi = jax.process_count() > 1
-        for sig in (signal.SIGINT,) if self.multi else (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self.handle)
-
-    def handle(self, signum, frame):
-        name = signal.Signals(signum).name
-        if self.signal is not None:
-            print(flush=True)  # past the terminal's ^C
-            print(f"{name} again: stopped without saving; the latest complete checkpoint in "
-                  f"{self.run_dir} is where the same command resumes", file=sys.stderr, flush=True)
-            os._exit(128 + signum)
-        self.signal = signum
-        print(f"\n{name}: saving a checkpoint after this step...", flush=True)
-        if self.multi:  # to JAX's preemption notifier, which tells every process
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    def requested(self, step: int) -> bool:
-        """Whether to save and stop after `step` (called once per step, on every process)."""
-        if self.multi and multihost_utils.reached_preemption_sync_point(step):
-            self.signal = self.signal or signal.SIGTERM
-            return True
-        return self.signal is not None and not self.multi
-
-
 class Log:
     """metrics.jsonl (process 0) and the progress line; counts non-finite steps in a row."""
 
@@ -268,7 +233,7 @@ class Log:
                                jax.process_index() == 0)
         self.file = None
         if jax.process_index() == 0:
-            drop_torn_line(run_dir / "metrics.jsonl")
+            drop_torn_line(run_dir / "metrics.jsonl", say)
             self.file = open(run_dir / "metrics.jsonl", "a")
         self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
         self.t_start = self.t_prev = time.perf_counter()
@@ -309,41 +274,6 @@ class Log:
 
     def average_tokens_per_s(self, last_step: int) -> float:
         return self.tokens_per_step * (last_step - self.start) / (self.t_prev - self.t_first)
-
-
-def drop_torn_line(path: pathlib.Path) -> None:
-    """Cut a last line left half-written by a crash (a host failure, a full disk), so that the
-    records appended after it stay one per line."""
-    if not path.exists():
-        return
-    with open(path, "rb+") as f:
-        tail_start = max(0, f.seek(0, os.SEEK_END) - 2**20)
-        f.seek(tail_start)
-        tail = f.read()
-        if tail and not tail.endswith(b"\n"):
-            f.truncate(tail_start + tail.rfind(b"\n") + 1)
-            say(f"note: dropped the cut-off last line of {path} (a crash mid-write)")
-
-
-def checkpoint_failed(error: Exception, run_dir: pathlib.Path) -> None:
-    """A checkpoint could not be written: one line naming the cause and the last good
-    checkpoint, then exit at once (orbax's writer threads would otherwise keep the process
-    alive for ever after the failure)."""
-    if peer := peer_stopped():  # another process left first, and this write failed with it
-        give_up(f"error: {peer}; process {jax.process_index()} stops too", code=1)
-    cause = str(error).split(" [tensorstore_spec")[0].split("\n")[0]
-    try:  # read from the folder: a checkpoint manager would wait for the other processes
-        good = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()
-                      if p.name.isdigit())
-    except OSError:
-        good = []
-    sys.stdout.flush()
-    print(f"error: writing a checkpoint to {run_dir}/checkpoints failed ({type(error).__name__}: "
-          f"...{cause[-160:]}); the last good checkpoint is "
-          f"{f'step {good[-1]}' if good else 'none'}. Fix the cause (disk space?) and resume "
-          "with the same command", file=sys.stderr, flush=True)
-    stop_peers(f"its checkpoint write to {run_dir} failed (see its output)")
-    os._exit(1)
 
 
 def fmt_time(seconds: float) -> str:
