@@ -849,6 +849,9 @@ def test_prepare_trains_a_bpe_and_writes_shards_that_train_with_a_validation_spl
     assert S.main([cfg.run_dir, "--prompt", "import os", "--max-new-tokens", "20"]) == 0
     text = capsys.readouterr().out  # decoded with the run's tokenizer
     assert text.startswith("import os") and len(text) > len("import os\n")
+    raw = os.fsdecode(b"import \xff")  # a raw byte, as the shell passes an undecodable one
+    assert S.main([cfg.run_dir, "--prompt", raw, "--max-new-tokens", "2"]) == 2
+    assert "--prompt is not valid UTF-8" in capsys.readouterr().err
 
 
 def test_a_run_reports_its_loss_per_byte_for_text_and_per_token_for_shards(tmp_path):
