@@ -923,9 +923,11 @@ def train_fork(g: Group, log=print) -> dict:
     src = next(x for x in GROUPS if x.name == g.fork)
     for at in set(starts.values()):  # all there before anything trains
         if not (SNAPSHOTS / src.name / f"step-{at}.npz").is_file():
-            raise UserError(f"{SNAPSHOTS / src.name}/step-{at}.npz is missing: run python "
-                            f"search.py {src.name} first (it keeps its state every "
-                            f"{src.snapshot_every} steps there)")
+            raise UserError(f"{SNAPSHOTS / src.name}/step-{at}.npz is missing: {src.name} keeps "
+                            f"its state there every {src.snapshot_every} steps as it trains, and "
+                            "runs/ is not committed; train it again here first (take its entry "
+                            "out of results/search.json, then python search.py "
+                            f"{src.name})")
     src_cfg = src.config()
     src_tx = T.make_tx(src_cfg)
     mesh = jax.make_mesh((1, 1), ("data", "model"),
