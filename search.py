@@ -44,8 +44,8 @@ from checkpoint import init_state
 from cli import UserError, command, parse
 from config import PRESETS, TrainConfig
 from data import TokenData
+from distributed import MeshConfig, make_mesh
 from experiments import ema, machine, update_readme
-from model import loss_fn
 from report import (
     bootstrap,
     episodes,
@@ -210,6 +210,11 @@ def member_grid(g: Group) -> list[tuple[float, int]]:
 CURVE_F32 = ("loss", "grad_norm", "update_norm", "attn_logit_max", "skipped")
 
 
+def one_device_mesh():
+    """The harness runs on one device: every member's state is whole there."""
+    return make_mesh(MeshConfig(1, 1), jax.devices()[:1])
+
+
 def train_members(cfg: TrainConfig, seeds, chunk: int = 50, eval_every: int = 250,
                   log=print, state=None, snapshot_at=(), snapshot=None) -> dict:
     """Train one member per seed (init seed and data seed both = the seed) with train.py's step
@@ -230,12 +235,7 @@ def train_members(cfg: TrainConfig, seeds, chunk: int = 50, eval_every: int = 25
         metrics.pop("lr")  # the schedule's, the same for every member
         return new, metrics
 
-    def evaluate(params, tokens_CBT1):
-        return jnp.mean(jax.lax.map(lambda t: loss_fn(params, t, cfg.model)[1]["ce"],
-                                    tokens_CBT1))
-
-    mesh = jax.make_mesh((1, 1), ("data", "model"),
-                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    mesh = one_device_mesh()
     seeds_M = jnp.array(seeds)
     datas = [TokenData(dataclasses.replace(cfg.data, seed=s), cfg.model.vocab_size)
              for s in seeds]
@@ -243,7 +243,7 @@ def train_members(cfg: TrainConfig, seeds, chunk: int = 50, eval_every: int = 25
         if state is None:
             state = jax.jit(jax.vmap(lambda s: init_state(cfg.model, s, tx)))(seeds_M)
         run_chunk = jax.jit(lambda s, t: jax.lax.scan(body, s, t), donate_argnums=0)
-        eval_fn = jax.jit(jax.vmap(evaluate, in_axes=(0, None)))
+        eval_fn = jax.jit(jax.vmap(T.make_eval_step(cfg), in_axes=(0, None)))  # train.py's
         held_out = jnp.asarray(datas[0].held_out_batches())
         first = int(state["step"][0])
         out: dict = {}
@@ -930,8 +930,7 @@ def train_fork(g: Group, log=print) -> dict:
                             f"{src.name})")
     src_cfg = src.config()
     src_tx = T.make_tx(src_cfg)
-    mesh = jax.make_mesh((1, 1), ("data", "model"),
-                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    mesh = one_device_mesh()
     with jax.set_mesh(mesh):
         like = jax.eval_shape(jax.vmap(lambda s: init_state(src_cfg.model, s, src_tx)),
                               jnp.array(src.seeds))
