@@ -122,6 +122,14 @@ def init_new_leaves(cfg, tx, target):
     return init_new
 
 
+def insert_qk_norm(cfg, tx, state: dict, mesh) -> dict:
+    """The warm start's carry in process: `state` (a run without QK-Norm) in the state of cfg
+    (with it) and its optimizer `tx`: the new norm scales at 1 with zero moments, every other
+    leaf kept."""
+    target = abstract_state(cfg.model, tx, mesh)
+    return carry(state, target, init_new_leaves(cfg, tx, target))[0]
+
+
 def per_device_bytes(cfg: ModelConfig, tx, mesh_sizes: dict[str, int]) -> tuple[int, int]:
     """(total, per-device) bytes of params + optimizer state on a mesh of `mesh_sizes`
     ({"data": 256, "model": 4}), by arithmetic on the shapes and specs: needs neither the

@@ -19,14 +19,14 @@ import tyro
 
 import guard
 from checkpoint import read_config, saved_steps
-from cli import UserError
+from cli import UserError, parse
 from compat import RENAMED
 from data import DataConfig, parse_ranges
-from distributed import DistConfig, MeshConfig
+from distributed import DistConfig, MeshConfig, say
 from guard import GuardConfig
 from model import ModelConfig
 from optim import OptimConfig, lr_schedule
-from report import read_events
+from report import acted, read_events
 from tracking import WandbConfig
 
 
@@ -243,3 +243,79 @@ def check_same_run(stored: TrainConfig, cfg: TrainConfig, taken: int = 0) -> Non
     if diffs:
         raise UserError(f"{cfg.run_dir} holds a run with a different config: {'; '.join(diffs)}"
                         ". Pass the same flags to resume, or use a new --run-dir")
+
+
+# ---------------------------------------------------------------------------------------------
+# train.py's command line, and the run it describes
+
+def parse_config(argv: list[str], description: str = "") -> TrainConfig:
+    """`[preset] [--flags]`: the preset (default "cpu") supplies the defaults the flags override.
+    `--resume RUN [--flags]` (or `RUN [--flags]`): the config stored in the run directory RUN
+    does, so a run continues without its preset and flags retyped."""
+    if "--resume" in argv or (argv and argv[0] not in PRESETS and pathlib.Path(argv[0]).is_dir()):
+        i = argv.index("--resume") + 1 if "--resume" in argv else 0
+        if i >= len(argv):
+            raise UserError("--resume needs a run directory: --resume RUN")
+        run, rest = pathlib.Path(argv[i]), argv[:max(i - 1, 0)] + argv[i + 1:]
+        stored = load_config(run)
+        if stored is None:
+            raise UserError(f"--resume {run}: no config.json there; give a train.py run directory")
+        return parse_flags(dataclasses.replace(stored, run_dir=str(run), resume_step=None,
+                                               dry_run=False), rest, description)
+    name = argv[0] if argv and not argv[0].startswith("-") else "cpu"
+    if name not in PRESETS:
+        raise UserError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+    rest = argv[1:] if argv and argv[0] == name else argv
+    return parse_flags(PRESETS[name], rest, description)
+
+
+def parse_flags(default: TrainConfig, args: list[str], description: str = "") -> TrainConfig:
+    """tyro over TrainConfig with `default` as the defaults; a bad flag is a UserError.
+    `--guard` alone is `--guard.on`."""
+    args = ["--guard.on" if a == "--guard" else a for a in args]
+    cfg = parse(TrainConfig, args, default=default,
+                description=f"{description}\nPresets: {', '.join(PRESETS)}.")
+    given = [a.split("=")[0] for a in args if a.startswith("--guard.") and a != "--guard.on"]
+    if given and not cfg.guard.on:
+        raise UserError(f"{given[0]} is a setting of the guard, which is off: add --guard")
+    return cfg
+
+
+def effective(user_cfg: TrainConfig, events: list, restored_at: int | None = None):
+    """guard.effective_config, with a setting that cannot go beside what the guard did (QK-Clip
+    switched on by a resume after it inserted QK-Norm) a UserError."""
+    try:
+        return guard.effective_config(user_cfg, events, restored_at)
+    except ValueError as e:
+        done = ", ".join(f"{x['escalation']} at step {x['rollback_to']}" for x in acted(events)
+                         if x.get("escalation"))
+        raise UserError(f"the guard escalated this run ({done}; events.jsonl): {e}") from None
+
+
+def identity(cfg: TrainConfig) -> str:
+    """The run in three lines: the model, the optimizer and its levers, the data."""
+    m, o, d = cfg.model, cfg.optim, cfg.data
+    levers = [x for x, on in (("QK-Norm", m.qk_norm), (f"QK-Clip {o.qk_clip:g}", o.qk_clip),
+                              (f"grad clip {o.max_grad_norm:g}", o.max_grad_norm),
+                              ("skip-step", o.skip_step), (f"update clip {o.update_clip}",
+                                                           o.update_clip != "off"),
+                              ("guard", cfg.guard.on)) if on]
+    return (f"model: d_model {m.d_model}, {m.n_layers} layers, {m.n_heads}/{m.n_kv_heads} "
+            f"heads, vocab {m.vocab_size}, seed {cfg.seed}\n"
+            f"optim: {o.optimizer}, LR {o.lr:g} (warmup {o.warmup_steps}), beta2 {o.b2:g}; "
+            f"levers: {', '.join(levers) or 'none'}\n"
+            f"data: {d.source or 'the embedded corpus'}, batch {d.batch_size} x {d.seq_len}, "
+            f"seed {d.seed}; {cfg.steps} steps")
+
+
+def resumed(stored: TrainConfig, cfg: TrainConfig, taken: int) -> TrainConfig:
+    """cfg for a resume at step `taken` of the run `stored` describes (check_same_run first): a
+    QK-Clip threshold that changes is a switch from `taken` on (said once), else the step
+    of the last switch stays."""
+    check_same_run(stored, cfg, taken)
+    if cfg.optim.qk_clip == stored.optim.qk_clip:
+        return dataclasses.replace(cfg, optim=dataclasses.replace(
+            cfg.optim, qk_clip_start=stored.optim.qk_clip_start))
+    say(f"QK-Clip threshold {stored.optim.qk_clip:g} -> {cfg.optim.qk_clip:g} from step "
+        f"{taken} on (a switch the run's config records)")
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, qk_clip_start=taken))

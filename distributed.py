@@ -24,6 +24,7 @@ import jax
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType
 
+from attention import check_platform
 from cli import UserError
 from model import LOGICAL_TO_MESH, ModelConfig, param_table
 
@@ -208,6 +209,17 @@ def check_fits(mesh: MeshConfig, model: ModelConfig, batch_size: int,
 def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
     return jax.make_mesh((cfg.data, cfg.model), ("data", "model"),
                          axis_types=(AxisType.Explicit, AxisType.Explicit), devices=devices)
+
+
+
+def setup_mesh(cfg, devices) -> jax.sharding.Mesh:
+    """The mesh of cfg.mesh over `devices`, once the model and batch are known to fit on it."""
+    check_fits(cfg.mesh, cfg.model, cfg.data.batch_size, len(devices))
+    try:
+        check_platform(cfg.model.attention, devices[0].platform)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    return make_mesh(cfg.mesh, devices)
 
 
 

@@ -41,9 +41,11 @@ import os
 import pathlib
 from collections import deque
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
-from report import ShiftRule, SpikeRule, acted
+from report import ShiftRule, SpikeRule, acted, read_metrics
 
 ESCALATIONS = ("none", "qk-norm", "qk-clip", "stop")
 SPIKE_RULE, SHIFT_RULE = SpikeRule(), ShiftRule()  # report.py's rules at their defaults
@@ -245,3 +247,18 @@ def plan(cfg: GuardConfig, trigger: Trigger, kept: list[int], events: list[dict]
         return e | {"escalation": escalation, "rewarm_steps": cfg.escalate_rewarm_steps,
                     **({"qk_clip": cfg.qk_clip} if escalation == "qk-clip" else {})}
     return e | ({"rewarm_steps": cfg.rewarm_steps} if cfg.rewarm_steps else {})
+
+
+def losses_before(run_dir: pathlib.Path, start: int) -> dict[int, float]:
+    """{step: loss} of the SPAN steps before `start`, from metrics.jsonl (process 0's,
+    sent to every process: each must take the same decisions)."""
+    steps_losses = np.full((2, SPAN), -1.0)
+    if jax.process_index() == 0 and start and (run_dir / "metrics.jsonl").is_file():
+        m = read_metrics(run_dir)
+        keep = (m["step"] < start) & (m["step"] >= start - SPAN)
+        n = int(keep.sum())
+        loss = np.where(np.isfinite(m["grad_norm"]), m["loss"], np.nan)  # as the loop sees it
+        steps_losses[:, :n] = m["step"][keep], loss[keep]
+    if jax.process_count() > 1:
+        steps_losses = multihost_utils.broadcast_one_to_all(steps_losses)
+    return {int(s): float(x) for s, x in steps_losses.T if s >= 0}

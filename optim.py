@@ -588,3 +588,26 @@ def opt_metrics(opt_state, max_grad_norm: float = 0.0) -> dict:
         out |= {"update_norm": jnp.where(skipped, 0.0, c.norm_before),
                 "update_clip_threshold": c.threshold}
     return out | {"skipped": skipped.astype(jnp.int32)}
+
+
+def per_layer_norms(tree: dict) -> jax.Array:
+    """[L] L2 norms over the stacked per-layer leaves of a params-shaped tree."""
+    sq = [jnp.sum(jnp.square(x.astype(jnp.float32)), axis=tuple(range(1, x.ndim)))
+          for x in jax.tree.leaves(tree["layers"])]
+    return jnp.sqrt(sum(sq))
+
+
+def per_layer_metrics(params, grads, updates, opt_state) -> dict:
+    """[L] per-layer norms of what moves before a spike (Marin: update spikes first, larger in
+    the lower layers; Adam's first moment doubled while the second stayed flat): gradients,
+    updates, q/k weights, and Adam's moments, read from the optimizer state (no recompute)."""
+    out = {"grad_norm_per_layer": per_layer_norms(grads),
+           "update_norm_per_layer": per_layer_norms(updates)}
+    out |= {f"{w}_norm": per_layer_norms({"layers": {w: params["layers"][w]}})
+            for w in ("wq", "wk")}
+    adam = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
+        x, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState)]
+    if adam and jax.tree.leaves(adam[0].mu.get("layers", {})):  # (Muon: Adam has the norms)
+        out["adam_mu_norm_per_layer"] = per_layer_norms(adam[0].mu)
+        out["adam_nu_norm_per_layer"] = per_layer_norms(adam[0].nu)
+    return out

@@ -23,21 +23,18 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import P
-from jax.experimental import multihost_utils
 
 import guard
-from attention import check_platform, resolve
+from attention import resolve
 from checkpoint import (
     abstract_state,
-    carry,
     check_run_dir,
     checkpoint_manager,
     drop_torn_line,
     fresh_state,
-    init_new_leaves,
+    insert_qk_norm,
     per_device_bytes,
     restore_checkpoint,
     resume,
@@ -47,68 +44,33 @@ from checkpoint import (
     strict_json,
     write_config,
 )
-from cli import UserError, command, parse
-from config import PRESETS, TrainConfig, check_escalation, check_same_run, load_config
+from cli import UserError, command
+from config import (
+    TrainConfig,
+    check_escalation,
+    effective,
+    identity,
+    load_config,
+    parse_config,
+    resumed,
+)
 from data import TokenData, parse_ranges, token_unit
 from distributed import (
     StopRequested,
     check_fits,
     checkpoint_failed,
     give_up,
-    make_mesh,
     peer_stopped,
     process_rows,
     say,
+    setup_mesh,
     start_distributed,
 )
-from export import load_hf
+from hf import load_hf
 from model import count_params, decay_mask, flops_per_token, logical_to_spec, loss_fn
-from optim import lr_schedule, make_optimizer, opt_metrics
+from optim import lr_schedule, make_optimizer, opt_metrics, per_layer_metrics
 from report import acted, describe, event_report, plot, read_events, read_metrics
 from tracking import Tracker
-
-
-def parse_config(argv: list[str]) -> TrainConfig:
-    """`[preset] [--flags]`: the preset (default "cpu") supplies the defaults the flags override.
-    `--resume RUN [--flags]` (or `RUN [--flags]`): the config stored in the run directory RUN
-    does, so a run continues without its preset and flags retyped."""
-    if "--resume" in argv or (argv and argv[0] not in PRESETS and pathlib.Path(argv[0]).is_dir()):
-        i = argv.index("--resume") + 1 if "--resume" in argv else 0
-        if i >= len(argv):
-            raise UserError("--resume needs a run directory: --resume RUN")
-        run, rest = pathlib.Path(argv[i]), argv[:max(i - 1, 0)] + argv[i + 1:]
-        stored = load_config(run)
-        if stored is None:
-            raise UserError(f"--resume {run}: no config.json there; give a train.py run directory")
-        return parse_flags(dataclasses.replace(stored, run_dir=str(run), resume_step=None,
-                                               dry_run=False), rest)
-    name = argv[0] if argv and not argv[0].startswith("-") else "cpu"
-    if name not in PRESETS:
-        raise UserError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
-    rest = argv[1:] if argv and argv[0] == name else argv
-    return parse_flags(PRESETS[name], rest)
-
-
-def parse_flags(default: TrainConfig, args: list[str]) -> TrainConfig:
-    """tyro over TrainConfig with `default` as the defaults; a bad flag is a UserError.
-    `--guard` alone is `--guard.on`."""
-    args = ["--guard.on" if a == "--guard" else a for a in args]
-    cfg = parse(TrainConfig, args, default=default,
-                description=f"{__doc__}\nPresets: {', '.join(PRESETS)}.")
-    given = [a.split("=")[0] for a in args if a.startswith("--guard.") and a != "--guard.on"]
-    if given and not cfg.guard.on:
-        raise UserError(f"{given[0]} is a setting of the guard, which is off: add --guard")
-    return cfg
-
-
-def setup_mesh(cfg: TrainConfig, devices) -> jax.sharding.Mesh:
-    """The mesh of cfg.mesh over `devices`, once the model and batch are known to fit on it."""
-    check_fits(cfg.mesh, cfg.model, cfg.data.batch_size, len(devices))
-    try:
-        check_platform(cfg.model.attention, devices[0].platform)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    return make_mesh(cfg.mesh, devices)
 
 
 def load_data(cfg: TrainConfig) -> TokenData:
@@ -122,39 +84,8 @@ def make_tx(cfg: TrainConfig):
     return make_optimizer(cfg.optim, cfg.steps, decay_mask(cfg.model))
 
 
-def insert_qk_norm(cfg: TrainConfig, state: dict, mesh) -> dict:
-    """The warm start's carry in process: `state` (a run without QK-Norm) in cfg's state, the
-    new norm scales at 1 with zero moments, every other leaf kept."""
-    tx = make_tx(cfg)
-    target = abstract_state(cfg.model, tx, mesh)
-    return carry(state, target, init_new_leaves(cfg, tx, target))[0]
-
-
 # ---------------------------------------------------------------------------------------------
 # The train step
-
-def per_layer_norms(tree: dict) -> jax.Array:
-    """[L] L2 norms over the stacked per-layer leaves of a params-shaped tree."""
-    sq = [jnp.sum(jnp.square(x.astype(jnp.float32)), axis=tuple(range(1, x.ndim)))
-          for x in jax.tree.leaves(tree["layers"])]
-    return jnp.sqrt(sum(sq))
-
-
-def per_layer_metrics(params, grads, updates, opt_state) -> dict:
-    """[L] per-layer norms of what moves before a spike (Marin: update spikes first, larger in
-    the lower layers; Adam's first moment doubled while the second stayed flat): gradients,
-    updates, q/k weights, and Adam's moments, read from the optimizer state (no recompute)."""
-    out = {"grad_norm_per_layer": per_layer_norms(grads),
-           "update_norm_per_layer": per_layer_norms(updates)}
-    out |= {f"{w}_norm": per_layer_norms({"layers": {w: params["layers"][w]}})
-            for w in ("wq", "wk")}
-    adam = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
-        x, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState)]
-    if adam and jax.tree.leaves(adam[0].mu.get("layers", {})):  # (Muon: Adam has the norms)
-        out["adam_mu_norm_per_layer"] = per_layer_norms(adam[0].mu)
-        out["adam_nu_norm_per_layer"] = per_layer_norms(adam[0].nu)
-    return out
-
 
 def build_train_step(cfg: TrainConfig, tx):
     """The one train step, un-jitted: (state, tokens [B, T+1]) -> (new state, metrics). train.py
@@ -229,12 +160,10 @@ class Log:
         self.cfg, self.start, self.nonfinite = cfg, start, 0
         tags = (["warm-start", f"from {cfg.warm_started_from}"[-64:]] if cfg.warm_started_from
                 else []) + ["init-from-hf"] * bool(cfg.init_from_hf)
-        self.tracker = Tracker(cfg.wandb, run_dir, dataclasses.asdict(cfg), tags,
-                               jax.process_index() == 0)
-        self.file = None
-        if jax.process_index() == 0:
+        if (main := jax.process_index() == 0):
             drop_torn_line(run_dir / "metrics.jsonl", say)
-            self.file = open(run_dir / "metrics.jsonl", "a")
+        self.file = open(run_dir / "metrics.jsonl", "a") if main else None
+        self.tracker = Tracker(cfg.wandb, run_dir, dataclasses.asdict(cfg), tags, main)
         self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
         self.t_start = self.t_prev = time.perf_counter()
         self.t_first = None  # the first record's time: the average excludes the compile
@@ -293,15 +222,7 @@ def train(cfg: TrainConfig, devices=None) -> dict:
     stored, steps = load_config(run_dir), saved_steps(run_dir)
     if stored is not None:
         taken = cfg.resume_step if cfg.resume_step is not None else (steps or [0])[-1]
-        check_same_run(stored, cfg, taken)
-        if cfg.optim.qk_clip == stored.optim.qk_clip:  # the step a switch was made at stays
-            cfg = dataclasses.replace(cfg, optim=dataclasses.replace(
-                cfg.optim, qk_clip_start=stored.optim.qk_clip_start))
-        else:  # switched on (or off) from here on
-            cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim,
-                                                                     qk_clip_start=taken))
-            say(f"QK-Clip threshold {stored.optim.qk_clip:g} -> {cfg.optim.qk_clip:g} from "
-                f"step {taken} on (a switch the run's config records)")
+        cfg = resumed(stored, cfg, taken)
     check_escalation(cfg)
     hf_params = load_hf(pathlib.Path(cfg.init_from_hf), cfg.model) if cfg.init_from_hf and \
         not steps else None
@@ -329,57 +250,15 @@ def train(cfg: TrainConfig, devices=None) -> dict:
             say(f"moved the guard's {len(later)} later action(s) aside to {aside}")
         if events:  # the guard's actions so far, re-applied
             cfg = effective(user_cfg, events)
-            if guard.pending_insertion(events, int(state["step"])):
-                state = insert_qk_norm(cfg, state, mesh)
             tx, data = make_tx(cfg), load_data(cfg)
+            if guard.pending_insertion(events, int(state["step"])):
+                state = insert_qk_norm(cfg, tx, state, mesh)
             say(f"guard: {len(acted(events))} recorded action(s) re-applied")
         say(identity(cfg))
         if jax.process_index() == 0:
             write_config(run_dir, dataclasses.asdict(user_cfg))
         mngr = mngr or checkpoint_manager(run_dir, cfg.keep_checkpoints)
         return run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg, events)
-
-
-def effective(user_cfg: TrainConfig, events: list, restored_at: int | None = None):
-    """guard.effective_config, with a setting that cannot go beside what the guard did (QK-Clip
-    switched on by a resume after it inserted QK-Norm) a UserError."""
-    try:
-        return guard.effective_config(user_cfg, events, restored_at)
-    except ValueError as e:
-        done = ", ".join(f"{x['escalation']} at step {x['rollback_to']}" for x in acted(events)
-                         if x.get("escalation"))
-        raise UserError(f"the guard escalated this run ({done}; events.jsonl): {e}") from None
-
-
-def identity(cfg: TrainConfig) -> str:
-    """The run in three lines: the model, the optimizer and its levers, the data."""
-    m, o, d = cfg.model, cfg.optim, cfg.data
-    levers = [x for x, on in (("QK-Norm", m.qk_norm), (f"QK-Clip {o.qk_clip:g}", o.qk_clip),
-                              (f"grad clip {o.max_grad_norm:g}", o.max_grad_norm),
-                              ("skip-step", o.skip_step), (f"update clip {o.update_clip}",
-                                                           o.update_clip != "off"),
-                              ("guard", cfg.guard.on)) if on]
-    return (f"model: d_model {m.d_model}, {m.n_layers} layers, {m.n_heads}/{m.n_kv_heads} "
-            f"heads, vocab {m.vocab_size}, seed {cfg.seed}\n"
-            f"optim: {o.optimizer}, LR {o.lr:g} (warmup {o.warmup_steps}), beta2 {o.b2:g}; "
-            f"levers: {', '.join(levers) or 'none'}\n"
-            f"data: {d.source or 'the embedded corpus'}, batch {d.batch_size} x {d.seq_len}, "
-            f"seed {d.seed}; {cfg.steps} steps")
-
-
-def losses_before(run_dir: pathlib.Path, start: int) -> dict[int, float]:
-    """{step: loss} of the guard.SPAN steps before `start`, from metrics.jsonl (process 0's,
-    sent to every process: each must take the same decisions)."""
-    steps_losses = np.full((2, guard.SPAN), -1.0)
-    if jax.process_index() == 0 and start and (run_dir / "metrics.jsonl").is_file():
-        m = read_metrics(run_dir)
-        keep = (m["step"] < start) & (m["step"] >= start - guard.SPAN)
-        n = int(keep.sum())
-        loss = np.where(np.isfinite(m["grad_norm"]), m["loss"], np.nan)  # as the loop sees it
-        steps_losses[:, :n] = m["step"][keep], loss[keep]
-    if jax.process_count() > 1:
-        steps_losses = multihost_utils.broadcast_one_to_all(steps_losses)
-    return {int(s): float(x) for s, x in steps_losses.T if s >= 0}
 
 
 def guard_action(trigger, cfg, user_cfg, events: list, mngr, run_dir, mesh, log):
@@ -410,30 +289,28 @@ def guard_action(trigger, cfg, user_cfg, events: list, mngr, run_dir, mesh, log)
     before = guard.effective_config(user_cfg, events, restored_at=r)
     state = restore_checkpoint(mngr, r, abstract_state(before.model, make_tx(before), mesh))
     new = guard.effective_config(user_cfg, events)
+    tx = make_tx(new)
     if guard.pending_insertion(events, r):
-        state = insert_qk_norm(new, state, mesh)
-    return new, make_tx(new), state
+        state = insert_qk_norm(new, tx, state, mesh)
+    return new, tx, state
 
 
 def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None, events=()) -> dict:
-    train_step, eval_step = make_train_step(cfg, tx), make_eval_step(cfg)
+    """Train from the state's step to cfg.steps. `train_until` is the loop; the guard's
+    rollbacks (and escalations) are the wrapper around it: each starts it again from the
+    rollback point with what the guard changed."""
     batch_sharding = jax.NamedSharding(mesh, BATCH)
     rows = process_rows(batch_sharding, cfg.data.batch_size)
-
-    def put(tokens):
-        return jax.make_array_from_process_local_data(batch_sharding, tokens)
-
     eval_tokens = put_held_out(data, mesh, rows)
     start = int(state["step"])
     if start >= cfg.steps:  # a finished run, resumed: nothing to train
         say(f"{run_dir} is done (step {start} of {cfg.steps}): sample it with python sample.py "
             f"{run_dir}, or train on with python train.py --resume {run_dir} --steps N")
         return {}
-    stop = StopRequested(run_dir)
-    log = Log(cfg, run_dir, start)
-    prev, last = None, {}
+    stop, log, events = StopRequested(run_dir), Log(cfg, run_dir, start), list(events)
+    seen = guard.losses_before(run_dir, start) if cfg.guard.on else {}  # the losses the guard saw
 
-    def checkpoint(step=None):  # save step's state (async), or wait for the saves to finish
+    def checkpoint(step=None, cfg=cfg, state=None):  # save (async), or wait for the saves
         try:
             if step is None:
                 mngr.wait_until_finished()
@@ -442,70 +319,73 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None, events=()
         except Exception as e:
             checkpoint_failed(e, run_dir)
 
-    watch, seen, events = None, {}, list(events)  # the guard, the losses it saw, its record
-    if cfg.guard.on:  # its view of the steps before `start` (after a resume)
-        seen = losses_before(run_dir, start)
-        watch = guard.Watch.replay(cfg.guard, seen, start, guard.escalation_step(events))
+    def train_until(cfg, state, train_step, eval_step) -> tuple[dict, tuple | None]:
+        """The loop, to the end, a stop, or the guard's rollback: (the last step's metrics,
+        None), or (_, (cfg, tx, state) to go on with from the guard's rollback point)."""
+        step, prev, last = int(state["step"]), None, {}
+        watch = guard.Watch.replay(cfg.guard, seen, step, guard.escalation_step(events)) \
+            if cfg.guard.on else None
 
-    def record(step_metrics):  # log a step; with the guard on, the guard's answer to it
-        last = log.record(*step_metrics)
-        if watch is None:
-            return last, None
-        loss = last["loss"] if math.isfinite(last["grad_norm"]) else math.nan
-        seen[last["step"]] = loss
-        trigger = watch.observe(last["step"], loss)
-        return last, trigger and guard_action(trigger, cfg, user_cfg or cfg, events, mngr,
-                                              run_dir, mesh, log)
+        def record(step_metrics):  # log a step; with the guard on, the guard's answer to it
+            last = log.record(*step_metrics)
+            if watch is None:
+                return last, None
+            loss = last["loss"] if math.isfinite(last["grad_norm"]) else math.nan
+            seen[last["step"]] = loss
+            trigger = watch.observe(last["step"], loss)
+            return last, trigger and guard_action(trigger, cfg, user_cfg or cfg, events, mngr,
+                                                  run_dir, mesh, log)
 
-    def go_back(acted):  # go on from the guard's rollback point with what it changed
-        new_cfg, new_tx, new_state = acted
-        data.replaced = parse_ranges(new_cfg.data.replace_batches, "replace_batches")
-        steps = (train_step, eval_step)
-        if (new_cfg.model, new_cfg.optim) != (cfg.model, cfg.optim):  # a new step function
-            steps = make_train_step(new_cfg, new_tx), make_eval_step(new_cfg)
-        at = int(new_state["step"])
-        kept = {s: x for s, x in seen.items() if at - guard.SPAN <= s < at}
-        log.nonfinite, log.shown = 0, (at - 1, time.perf_counter())
-        return (new_cfg, new_tx, new_state, *steps, at, kept,
-                guard.Watch.replay(new_cfg.guard, kept, at, guard.escalation_step(events)))
+        while step < cfg.steps:
+            # batch and step: dispatched, not waited for
+            tokens = jax.make_array_from_process_local_data(batch_sharding,
+                                                            data.batch(step, rows))
+            state, metrics = train_step(state, tokens)
+            done = step + 1
+            if done % cfg.eval_every == 0 or done == cfg.steps:
+                metrics["eval_loss"] = eval_step(state["params"], eval_tokens)
+            # log: step s-1's metrics are read only now, after step s is dispatched (reading
+            # step s's would make the host wait while the device idles)
+            if prev is not None:
+                (last, acted), prev = record(prev), None
+                if acted:
+                    return last, acted
+                if log.nonfinite >= cfg.max_consecutive_nonfinite:
+                    checkpoint()
+                    print(f"stopping: {log.nonfinite} non-finite steps in a row (last at step "
+                          f"{last['step']}); parameters were left unchanged by them. Last "
+                          f"checkpoint: step {mngr.latest_step()} in {run_dir}", file=sys.stderr)
+                    log.tracker.finish()
+                    sys.exit(1)
+            prev = (step, metrics)
+            # checkpoint (the guard sees the step first), and stop when a signal asked to
+            stopping = stop.requested(step)
+            if done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping:
+                if watch is not None:
+                    (last, acted), prev = record(prev), None
+                    if acted:
+                        return last, acted
+                    watch = guard.Watch.replay(cfg.guard, seen, done,
+                                               guard.escalation_step(events))
+                checkpoint(done, cfg, state)
+            if stopping:
+                break
+            step += 1
+        return (log.record(*prev) if prev is not None else last), None
 
-    step = start
-    while step < cfg.steps:
-        state, metrics = train_step(state, put(data.batch(step, rows)))  # dispatch: async
-        done = step + 1
-        if done % cfg.eval_every == 0 or done == cfg.steps:
-            metrics["eval_loss"] = eval_step(state["params"], eval_tokens)
-        # NOTE: step s-1's metrics are read only now, after step s is dispatched: reading step
-        # s's would make the host wait for the device, which would then idle while the host
-        # logs and builds the next batch.
-        if prev is not None:
-            (last, acted), prev = record(prev), None
-            if acted:
-                cfg, tx, state, train_step, eval_step, step, seen, watch = go_back(acted)
-                continue
-            if log.nonfinite >= cfg.max_consecutive_nonfinite:
-                checkpoint()
-                print(f"stopping: {log.nonfinite} non-finite steps in a row (last at step "
-                      f"{last['step']}); parameters were left unchanged by them. Last "
-                      f"checkpoint: step {mngr.latest_step()} in {run_dir}", file=sys.stderr)
-                log.tracker.finish()
-                sys.exit(1)
-        prev = (step, metrics)
-        stopping = stop.requested(step)
-        saving = done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping
-        if saving and watch is not None:  # the guard sees a step before its state is saved
-            (last, acted), prev = record(prev), None
-            if acted:
-                cfg, tx, state, train_step, eval_step, step, seen, watch = go_back(acted)
-                continue
-            watch = guard.Watch.replay(cfg.guard, seen, done, guard.escalation_step(events))
-        if saving:
-            checkpoint(done)
-        if stopping:
+    train_step, eval_step = make_train_step(cfg, tx), make_eval_step(cfg)
+    while True:
+        last, acted = train_until(cfg, state, train_step, eval_step)
+        if not acted:
             break
-        step += 1
-    if prev is not None:
-        last = log.record(*prev)
+        # the guard rolled back: go on from its rollback point with what it changed
+        new_cfg, tx, state = acted
+        data.replaced = parse_ranges(new_cfg.data.replace_batches, "replace_batches")
+        if (new_cfg.model, new_cfg.optim) != (cfg.model, cfg.optim):  # a new step function
+            train_step, eval_step = make_train_step(new_cfg, tx), make_eval_step(new_cfg)
+        cfg, at = new_cfg, int(state["step"])
+        seen = {s: x for s, x in seen.items() if at - guard.SPAN <= s < at}
+        log.nonfinite, log.shown = 0, (at - 1, time.perf_counter())
     if last and last["step"] > start:
         last["avg_tokens_per_s"] = log.average_tokens_per_s(last["step"])
     checkpoint()
@@ -528,7 +408,7 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None, events=()
 
 @command
 def main(argv: list[str]) -> int:
-    cfg = parse_config(argv)
+    cfg = parse_config(argv, __doc__)
     start_distributed(cfg.dist)
     t0 = time.perf_counter()
     try:

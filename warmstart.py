@@ -39,7 +39,8 @@ import checkpoint
 import train
 from checkpoint import carry, init_new_leaves
 from cli import UserError, command, parse
-from config import TrainConfig, check_same_run, load_checkpointed, load_config
+from config import TrainConfig, check_same_run, load_checkpointed, load_config, parse_flags
+from distributed import setup_mesh
 from optim import lr_schedule
 
 
@@ -74,7 +75,7 @@ def target_config(source: TrainConfig, args: WarmStartArgs, step: int,
     default = dataclasses.replace(source, model=dataclasses.replace(source.model, qk_norm=True),
                                   optim=optim, run_dir=args.to, resume_step=None,
                                   warm_started_from=f"{args.source}@{step}")
-    return train.parse_flags(default, overrides)
+    return parse_flags(default, overrides, train.__doc__)
 
 
 def load_source(run: pathlib.Path, step: int | None) -> tuple[TrainConfig, int]:
@@ -169,7 +170,7 @@ def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> TrainCon
         print(f"{dst_run} already holds this warm start (from {src_run} at step {step}): "
               "resuming it")
         return cfg
-    mesh = train.setup_mesh(cfg, devices or jax.devices())
+    mesh = setup_mesh(cfg, devices or jax.devices())
     data = train.load_data(cfg)
     with jax.set_mesh(mesh):
         t0 = time.perf_counter()
