@@ -24,24 +24,34 @@ where the difference of the means exceeds the sum of the two standard deviations
 
 import dataclasses
 import json
-import os
 import pathlib
-import platform
 import shutil
 import subprocess
 import sys
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 
-import jax
 import numpy as np
 import tyro
 
+import search
 from checkpoint import saved_steps, strict_json
 from cli import UserError, command, parse
 from config import PRESETS
-from report import find_shifts, find_spikes, pyplot, read_metrics, save_figure, summary
+from report import (
+    compare,
+    ema,
+    find_shifts,
+    find_spikes,
+    machine,
+    pyplot,
+    read_metrics,
+    save_figure,
+    seed_curves,
+    spread,
+    summary,
+    update_readme,
+)
 
 RUNS, RESULTS = pathlib.Path("runs/exp"), pathlib.Path("results")
 STORY = "story"  # the preset (train.py)
@@ -68,17 +78,19 @@ class Experiment:
     source: str = ""
 
 
+LOGITS = "logits"  # a row drawn in attn_logits_per_layer.png (its first seed's layers)
 EXPERIMENTS = [
-    Experiment("baseline", baseline=None),
+    Experiment("baseline", baseline=None, panels=("rescue", LOGITS)),
     # Mid-run, after the baseline's first level shift: QK-Norm inserted, QK-Clip switched on;
     # the batches before its largest event replaced
-    Experiment("rescue", start="rescue", source="baseline"),
+    Experiment("rescue", panels=("rescue", LOGITS), start="rescue", source="baseline"),
     Experiment("qk-clip-switched-on", ("--optim.qk-clip", "100"), start="switch",
                source="baseline"),
     Experiment("replace-batches", start="replace", source="baseline"),
     # The guard (guard.py): rollback and data replacement only, then with escalation to QK-Norm
     Experiment("guard", ("--guard",)),
-    Experiment("guard-escalate", ("--guard", "--guard.escalate", "qk-norm")),
+    Experiment("guard-escalate", ("--guard", "--guard.escalate", "qk-norm"),
+               panels=("rescue", LOGITS)),
     # The 32B's configuration (clip 0.2, skip-step, update-norm clip), then QK-Norm inserted
     Experiment("marin-32b", ("--optim.max-grad-norm", "0.2", "--optim.skip-step",
                              "--optim.update-clip", "norm"), panels=("marin-32b",)),
@@ -264,7 +276,7 @@ def caught_up(m: dict, seed: int, start: int, tol: float = 0.05) -> int | None:
     path = RESULTS / "search.json"
     if not path.is_file():
         return None
-    twin = json.loads(path.read_text())["groups"].get("d64-b2.95-warmup1000-4k-qk", {})
+    twin = json.loads(path.read_text())["groups"].get(search.twin(search.STORY).name, {})
     mine = [x for x in twin.get("members", []) if x["seed"] == seed]
     if not mine:
         return None
@@ -274,24 +286,6 @@ def caught_up(m: dict, seed: int, start: int, tol: float = 0.05) -> int | None:
         if done > start and done in qk and loss <= qk[done] + tol:
             return done
     return None
-
-
-def spread(values: list[float]) -> dict:
-    v = np.array(values, dtype=np.float64)
-    return {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else 0.0,
-            "min": float(np.min(v)), "max": float(np.max(v)), "n": len(v)}
-
-
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in
-                   pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__,
-            "platform": platform.platform()}
 
 
 def collect(seeds: list[int]) -> tuple[dict, dict]:
@@ -330,15 +324,6 @@ def collect(seeds: list[int]) -> tuple[dict, dict]:
         rows[name] = {"seeds": per_seed,
                       **{k: spread([r[k] for r in per_seed.values()]) for k in STATS}}
     return rows, metrics
-
-
-def compare(a: dict, b: dict, key: str = "eval_loss") -> str:
-    """How a differs from b over seeds: a difference is called only where it exceeds the sum
-    of the two standard deviations."""
-    d = a[key]["mean"] - b[key]["mean"]
-    if abs(d) <= a[key]["std"] + b[key]["std"]:
-        return "no measurable difference"
-    return f"{'better' if d < 0 else 'worse'} ({d:+.3f})"
 
 
 def per_seed(row: dict, key: str) -> str:
@@ -388,37 +373,6 @@ def table(rows: dict, seeds: list[int]) -> str:
 # ---------------------------------------------------------------------------------------------
 # Figures: one per question, seeds as a mean line over a band
 
-def ema(x: np.ndarray, span: int = 20) -> np.ndarray:
-    """Exponential moving average (weight 2/(span+1) on the newest step); NaN steps skipped."""
-    out, acc, a = np.empty(len(x)), np.nan, 2 / (span + 1)
-    for i, v in enumerate(x):
-        if np.isfinite(v):
-            acc = v if np.isnan(acc) else (1 - a) * acc + a * v
-        out[i] = acc
-    return out
-
-
-def seed_curves(ax, runs: dict, key: str, color, label: str, log: bool = False, raw=True):
-    """Raw mean faint, EMA of the mean bold, band between the seeds' EMAs (min to max); the
-    seeds aligned by step (a warm start begins at a different step in each seed)."""
-    first = min(int(m["step"][0]) for m in runs.values())
-    steps = np.arange(first, max(int(m["step"][-1]) for m in runs.values()) + 1)
-    ys = np.full((len(runs), len(steps)), np.nan)
-    for y, m in zip(ys, runs.values()):
-        v = np.asarray(m[key], dtype=np.float64)
-        y[np.asarray(m["step"], dtype=int) - first] = v.reshape(len(v), -1).max(axis=1)
-    if log:
-        ys = np.log10(np.where(ys > 0, ys, np.nan))
-    smooth = np.array([np.where(np.isfinite(y), ema(y), np.nan) for y in ys])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # steps no seed has reached yet
-        if raw:
-            ax.plot(steps, np.nanmean(ys, axis=0), color=color, lw=0.5, alpha=0.25)
-        ax.fill_between(steps, np.nanmin(smooth, axis=0), np.nanmax(smooth, axis=0),
-                        color=color, alpha=0.2, lw=0)
-        ax.plot(steps, np.nanmean(smooth, axis=0), color=color, lw=1.6, label=label)
-
-
 def figures(metrics: dict, rows: dict, out: pathlib.Path) -> list[pathlib.Path]:
     plt = pyplot()
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3
@@ -449,14 +403,17 @@ def figures(metrics: dict, rows: dict, out: pathlib.Path) -> list[pathlib.Path]:
         save(fig, name)
 
     seeds = f"{len(next(iter(metrics.values())))} seeds"
+    def drawn_in(panel):
+        return [e.name for e in EXPERIMENTS if panel in e.panels and e.name in metrics]
+
     for panel, (file, title) in PANELS.items():
-        names = [e.name for e in EXPERIMENTS if panel in e.panels and e.name in metrics]
+        names = drawn_in(panel)
         if not names:
             continue
         panels(names, f"{title}\n{seeds}: the mean's EMA, a band from the lowest to the highest "
                "seed's", file)
 
-    grid = [n for n in ("baseline", "rescue", "guard-escalate") if n in metrics]
+    grid = drawn_in(LOGITS)
     if grid:
         fig, axes = plt.subplots(1, len(grid), figsize=(3 * len(grid), 2.8), sharey=True,
                                  squeeze=False)
@@ -540,17 +497,6 @@ def mechanism_table(events: list[dict]) -> str:
                      + " | ".join("/".join(f"{x:.1f}" for x in e[k])
                                   for k in ("update", "mu", "nu", "logit")) + " |")
     return "\n".join(lines)
-
-
-def update_readme(text: str, readme: pathlib.Path = RESULTS / "README.md",
-                  part: str = "results", writer: str = "experiments.py") -> None:
-    """Replace the text between `part`'s markers in results/README.md."""
-    start, end = f"<!-- {part}: written by {writer} -->", f"<!-- /{part} -->"
-    body = readme.read_text()
-    if start not in body or end not in body:
-        raise UserError(f"{readme} lacks the {start} ... {end} markers")
-    head, rest = body.split(start)
-    readme.write_text(f"{head}{start}\n{text}\n{end}{rest.split(end, 1)[1]}")
 
 
 def write_results(seeds: list[int]) -> None:

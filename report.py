@@ -22,10 +22,14 @@ rule cannot see these: their rise spreads over 5-30 steps while per-step noise i
 """
 
 import dataclasses
+import importlib.metadata
 import json
 import math
+import os
 import pathlib
+import platform
 import sys
+import warnings
 
 import numpy as np
 import tyro
@@ -663,3 +667,75 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Results over seeds (experiments.py and search.py): spread, comparison, curves, where they ran
+
+def spread(values: list[float]) -> dict:
+    v = np.array(values, dtype=np.float64)
+    return {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else 0.0,
+            "min": float(np.min(v)), "max": float(np.max(v)), "n": len(v)}
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in
+                   pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "jax": importlib.metadata.version("jax"),
+            "platform": platform.platform()}
+
+
+def compare(a: dict, b: dict, key: str = "eval_loss") -> str:
+    """How a differs from b over seeds: a difference is called only where it exceeds the sum
+    of the two standard deviations."""
+    d = a[key]["mean"] - b[key]["mean"]
+    if abs(d) <= a[key]["std"] + b[key]["std"]:
+        return "no measurable difference"
+    return f"{'better' if d < 0 else 'worse'} ({d:+.3f})"
+
+
+def ema(x: np.ndarray, span: int = 20) -> np.ndarray:
+    """Exponential moving average (weight 2/(span+1) on the newest step); NaN steps skipped."""
+    out, acc, a = np.empty(len(x)), np.nan, 2 / (span + 1)
+    for i, v in enumerate(x):
+        if np.isfinite(v):
+            acc = v if np.isnan(acc) else (1 - a) * acc + a * v
+        out[i] = acc
+    return out
+
+
+def seed_curves(ax, runs: dict, key: str, color, label: str, log: bool = False, raw=True):
+    """Raw mean faint, EMA of the mean bold, band between the seeds' EMAs (min to max); the
+    seeds aligned by step (a warm start begins at a different step in each seed)."""
+    first = min(int(m["step"][0]) for m in runs.values())
+    steps = np.arange(first, max(int(m["step"][-1]) for m in runs.values()) + 1)
+    ys = np.full((len(runs), len(steps)), np.nan)
+    for y, m in zip(ys, runs.values()):
+        v = np.asarray(m[key], dtype=np.float64)
+        y[np.asarray(m["step"], dtype=int) - first] = v.reshape(len(v), -1).max(axis=1)
+    if log:
+        ys = np.log10(np.where(ys > 0, ys, np.nan))
+    smooth = np.array([np.where(np.isfinite(y), ema(y), np.nan) for y in ys])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # steps no seed has reached yet
+        if raw:
+            ax.plot(steps, np.nanmean(ys, axis=0), color=color, lw=0.5, alpha=0.25)
+        ax.fill_between(steps, np.nanmin(smooth, axis=0), np.nanmax(smooth, axis=0),
+                        color=color, alpha=0.2, lw=0)
+        ax.plot(steps, np.nanmean(smooth, axis=0), color=color, lw=1.6, label=label)
+
+
+def update_readme(text: str, readme: pathlib.Path = pathlib.Path("results/README.md"),
+                  part: str = "results", writer: str = "experiments.py") -> None:
+    """Replace the text between `part`'s markers in results/README.md."""
+    start, end = f"<!-- {part}: written by {writer} -->", f"<!-- /{part} -->"
+    body = readme.read_text()
+    if start not in body or end not in body:
+        raise UserError(f"{readme} lacks the {start} ... {end} markers")
+    head, rest = body.split(start)
+    readme.write_text(f"{head}{start}\n{text}\n{end}{rest.split(end, 1)[1]}")
