@@ -40,24 +40,28 @@ import numpy as np
 import tyro
 
 import train as T
-from checkpoint import init_state
+from checkpoint import init_state, insert_qk_norm
 from cli import UserError, command, parse
 from config import PRESETS, TrainConfig
 from data import TokenData
 from distributed import MeshConfig, make_mesh
-from experiments import ema, machine, update_readme
+from guard import GuardConfig
 from report import (
     bootstrap,
+    ema,
     episodes,
     find_shifts,
     find_spikes,
+    machine,
     mark_hard_batches,
     pyplot,
+    read_metrics,
     recovery,
     save_figure,
     spike_score,
     spliced,
     survival,
+    update_readme,
 )
 
 OUT = pathlib.Path("results/search.json")
@@ -89,6 +93,9 @@ class Group:
     compare_with: str = ""  # the QK-Norm group S1 is taken against (default: NAME-qk)
     fork: str = ""  # a mid-run arm: QK-Norm inserted into this group's runs (see fork_steps)
     snapshot_every: int = 0  # keep the stacked train state every N steps (a fork's source)
+    # The guard on (GuardConfig fields): its rollbacks are the loop's, so each seed is a
+    # train.py run (train.train, one after the other, resumable), its metrics.jsonl the curve.
+    guard: tuple[tuple[str, object], ...] = ()
 
     def config(self, lr: float | None = None) -> TrainConfig:
         """train.py's config of one member at `lr` (default: the group's first LR)."""
@@ -105,12 +112,15 @@ class Group:
         optim = dataclasses.replace(optim, **dict(self.optim))
         data = dataclasses.replace(base.data, batch_size=self.batch_size, seq_len=self.seq_len,
                                    eval_sequences=64)
-        return dataclasses.replace(base, model=model, optim=optim, data=data, steps=self.steps)
+        guarded = GuardConfig(on=True, **dict(self.guard)) if self.guard else base.guard
+        return dataclasses.replace(base, model=model, optim=optim, data=data, steps=self.steps,
+                                   guard=guarded)
 
     def settings(self) -> dict:
-        d = dataclasses.asdict(self) | {"optim": dict(self.optim), "model": dict(self.model)}
+        d = dataclasses.asdict(self) | {"optim": dict(self.optim), "model": dict(self.model),
+                                        "guard": dict(self.guard)}
         return {k: v for k, v in d.items() if k not in ("name", "lrs", "seeds", "compare_with")
-                and (k not in ("optim", "model", "fork", "snapshot_every") or v)}
+                and (k not in ("optim", "model", "fork", "snapshot_every", "guard") or v)}
 
 
 def twin(g: Group, **kw) -> Group:
@@ -186,6 +196,10 @@ EVIDENCE_GROUPS = [
                         snapshot_every=0, compare_with="story8-qk",
                         optim=(("rewarmup_steps", 100), ("rewarmup_from_ratio", 0.1))),
 ]
+# The guard with escalation to QK-Norm (train.py's loop, one seed after the other).
+EVIDENCE_GROUPS.append(dataclasses.replace(EVIDENCE, name="story8-guard-escalate", snapshot_every=0,
+                                           guard=(("escalate", "qk-norm"),),
+                                           compare_with="story8-qk"))
 # The references' tools over the same seeds (run after the four above): QK-Clip's signed max
 # and no-growth rule, Muon with the references' split, MuonClip (Muon + QK-Clip, as K2).
 EVIDENCE_GROUPS += [
@@ -287,6 +301,30 @@ def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print) -> 
                      "seconds": sum(p["seconds"] for p in parts)}
 
 
+def train_guarded(g: Group, log=print) -> dict:
+    """A guarded group: each seed a train.py run in runs/search/GROUP/seedN (train.train, so a
+    killed group resumes where it stopped, and a finished run is read, not trained again), its
+    metrics.jsonl (the last record of each step: the path the guard kept) as the member's
+    arrays; `recomputed` counts the steps trained again after its rollbacks."""
+    per, t = [], time.perf_counter()
+    for seed in g.seeds:
+        base = g.config()
+        cfg = dataclasses.replace(base, seed=seed, data=dataclasses.replace(base.data, seed=seed),
+                                  run_dir=str(SNAPSHOTS / g.name / f"seed{seed}"))
+        log(f"{g.name} seed {seed}: {cfg.run_dir}")
+        T.train(cfg, devices=jax.devices()[:1])
+        m = read_metrics(cfg.run_dir)
+        lines = (pathlib.Path(cfg.run_dir) / "metrics.jsonl").read_text().count("\n")
+        per.append({k: v for k, v in m.items() if k not in (
+            "step", "lr", "tokens_per_s", "eval_step", "eval_loss", "guard_events")} | {
+            "eval_loss": m["eval_loss"], "recomputed": np.array(lines - len(m["step"])),
+            "guard_actions": np.array(len(m.get("guard_events", [])))})
+        per[-1]["eval_step"] = m["eval_step"] + 1  # logged at step N - 1: after N steps
+    arrays = {k: np.stack([p[k] for p in per]) for k in per[0] if k != "eval_step"}
+    return arrays | {"eval_step": per[0]["eval_step"].astype(int), "first_step": 0,
+                     "seconds": time.perf_counter() - t}
+
+
 def curve_arrays(a: dict) -> dict:
     """What a group's stored curves keep (CURVE_F32 in float32, the rest in float16)."""
     return {k: (v if k in CURVE_F32 or k in ("eval_step", "eval_loss", "first_step")
@@ -322,7 +360,8 @@ def outcomes(g: Group, members: list[tuple[float, int, dict, int]]) -> list[dict
             "skipped_steps": int(np.sum(a["skipped"][i])) if "skipped" in a else 0,
             "final_loss_100": float(np.nanmean(loss[-100:])),
             "finite": bool(np.all(np.isfinite(loss))),
-        })
+        } | ({"guard_actions": int(a["guard_actions"][i]), "recomputed_steps":
+              int(a["recomputed"][i])} if "recomputed" in a else {}))
     return rows
 
 
@@ -939,9 +978,10 @@ def train_fork(g: Group, log=print) -> dict:
         seeds = tuple(s for s in g.seeds if starts.get(s) == at)
         cfg = g.config()
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, rewarmup_start=at))
+        tx = T.make_tx(cfg)
         with jax.set_mesh(mesh):
             stacked = load_snapshot(src.name, at, like)
-            members = [T.insert_qk_norm(cfg, member(stacked, src.seeds.index(s)), mesh)
+            members = [insert_qk_norm(cfg, tx, member(stacked, src.seeds.index(s)), mesh)
                        for s in seeds]
             state = jax.tree.map(lambda *xs: jnp.stack(xs), *members)
         log(f"{g.name}: seeds {', '.join(map(str, seeds))} from step {at}")
@@ -960,6 +1000,10 @@ def run(groups: list[Group]) -> None:
             members = [(g.lrs[0], s, a, i) for seeds, a in parts.values()
                        for i, s in enumerate(seeds)]
             seconds = sum(a["seconds"] for _, a in parts.values())
+        elif g.guard:
+            a = train_guarded(g, log=lambda s: print(s, flush=True))
+            members = [(g.lrs[0], s, a, i) for i, s in enumerate(g.seeds)]
+            seconds = a["seconds"]
         else:
             snap = functools.partial(save_snapshot, g.name)
             a = train_group(g, log=lambda s: print(s, flush=True)) if not g.snapshot_every \

@@ -14,10 +14,12 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 # Set before JAX starts, so that every subprocess a test starts inherits it too.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ.get(
@@ -41,6 +43,7 @@ import data as D
 import distributed as DI
 import export as E
 import guard as G
+import hf as HF
 import model as M
 import optim as O
 import report as R
@@ -48,6 +51,7 @@ import sample as S
 import tracking as TR
 import train as T
 import warmstart as W
+from cli import UserError
 
 HERE = pathlib.Path(__file__).parent
 TINY = CF.PRESETS["tiny"]
@@ -68,7 +72,7 @@ def tiny(tmp_path=None, **overrides) -> CF.TrainConfig:
 
 
 def mesh_of(data, model):
-    return T.make_mesh(CF.MeshConfig(data, model), jax.devices()[:data * model])
+    return DI.make_mesh(CF.MeshConfig(data, model), jax.devices()[:data * model])
 
 
 def init_sharded(cfg, mesh, tx=None):
@@ -1061,17 +1065,29 @@ def start_processes(flags: list[str], n: int = 2, env: dict | None = None
 def preempt_one_of_two(flags: list[str], after_step: int) -> list[str]:
     """Start a 2-process run, SIGTERM process 1 once process 0 has logged `after_step`; both
     must exit as a preempted run does. Returns their outputs."""
-    procs = start_processes(flags)
+    procs = start_processes(flags, env={"PYTHONFAULTHANDLER": "1"})
     try:
+        head = ""
         for line in procs[0].stdout:  # process 0 logs
+            head += line
             if line.startswith("step") and f" {after_step}/" in line:
                 procs[1].terminate()  # a preemption notice to process 1 only
                 break
-        outs = [p.communicate(timeout=120)[0] for p in procs]
+        readers = [ThreadPoolExecutor(1).submit(p.communicate) for p in procs]  # both pipes
+        deadline = time.monotonic() + 120
+        for r in readers:
+            try:
+                r.result(timeout=max(deadline - time.monotonic(), 1))
+            except TimeoutError:  # a hang: every thread's Python stack into the output
+                for p in procs:
+                    p.send_signal(signal.SIGABRT)
+                time.sleep(5)
+                break
     finally:
         for p in procs:
             p.kill()
-    assert [p.returncode for p in procs] == [128 + 15] * 2, outs[0][-2000:] + outs[1][-2000:]
+    outs = [head + readers[0].result()[0], readers[1].result()[0]]  # also after a hang
+    assert [p.returncode for p in procs] == [128 + 15] * 2, outs[0][-3000:] + outs[1][-3000:]
     return outs
 
 
@@ -1305,7 +1321,7 @@ def test_damaged_checkpoint_names_the_step_and_falls_back_on_request(damage, str
     else:
         victim.unlink()
     before = tree_hashes(run)
-    with pytest.raises(T.UserError, match=r"checkpoint at step 6 .* unreadable .*"
+    with pytest.raises(UserError, match=r"checkpoint at step 6 .* unreadable .*"
                                           r"--resume-step 3"):
         T.train(cfg, devices=jax.devices()[:1])
     assert tree_hashes(run) == before  # no fresh start, nothing written
@@ -1365,16 +1381,16 @@ def test_a_checkpoint_of_an_earlier_layout_restores_exactly_and_resumes(name, fl
 # train.py: the CLI, bad input, a run that learns, stopping
 
 def test_every_preset_and_flag_parses():
-    cfg = T.parse_config([])
+    cfg = CF.parse_config([])
     assert cfg == CF.PRESETS["cpu"]
-    cfg = T.parse_config(["tiny", "--optim.lr", "0.02", "--model.qk-norm", "--steps", "7",
+    cfg = CF.parse_config(["tiny", "--optim.lr", "0.02", "--model.qk-norm", "--steps", "7",
                           "--optim.update-clip", "rms", "--mesh.data", "4"])
     assert (cfg.optim.lr, cfg.model.qk_norm, cfg.steps) == (0.02, True, 7)
     assert cfg.optim.update_clip == "rms" and cfg.mesh.data == 4
     assert cfg.model.d_model == TINY.model.d_model
-    assert T.parse_config(["marin-32b"]).model.n_layers == 64
+    assert CF.parse_config(["marin-32b"]).model.n_layers == 64
     for name, preset in CF.PRESETS.items():  # every preset survives its own CLI round trip
-        assert T.parse_config([name]) == preset
+        assert CF.parse_config([name]) == preset
 
 
 def test_a_dry_run_of_marin_32b_prints_the_bytes_per_device(capsys):
@@ -1853,9 +1869,9 @@ def test_an_unreachable_wandb_neither_stops_nor_stalls_training(tmp_path):
 def test_resume_by_run_directory_and_raise_the_steps_of_a_constant_schedule(tmp_path):
     cfg = tiny(tmp_path, steps=6, checkpoint_every=3, optim__min_lr_ratio=1.0)
     T.train(cfg, devices=jax.devices()[:1])
-    longer = T.parse_config(["--resume", cfg.run_dir, "--steps", "9"])
+    longer = CF.parse_config(["--resume", cfg.run_dir, "--steps", "9"])
     assert longer == dataclasses.replace(cfg, steps=9)  # no preset, no flags retyped
-    assert T.parse_config([cfg.run_dir, "--steps", "9"]) == longer
+    assert CF.parse_config([cfg.run_dir, "--steps", "9"]) == longer
     T.train(longer, devices=jax.devices()[:1])
     straight = dataclasses.replace(longer, run_dir=str(tmp_path / "straight"))
     T.train(straight, devices=jax.devices()[:1])
@@ -2103,7 +2119,7 @@ def test_the_guard_escalates_a_relapsing_shift_to_qk_norm_and_a_kill_changes_not
     T.train(runs["straight"], devices=jax.devices()[:1])  # the same command: done, no error
     # the record emptied by hand: one line that says so, not "unreadable"
     (run / "events.jsonl").write_text("")
-    with pytest.raises(T.UserError, match="its record .*events.jsonl is missing or emptied"):
+    with pytest.raises(UserError, match="its record .*events.jsonl is missing or emptied"):
         T.train(runs["straight"], devices=jax.devices()[:1])
 
 
@@ -2146,10 +2162,10 @@ def test_an_escalation_the_run_could_not_carry_out_is_refused_before_it_starts(
 def test_qk_clip_switched_on_after_the_guard_inserted_qk_norm_is_one_line():
     escalation = {"action": "escalate", "event_step": 9, "rollback_to": 8, "replaced_until": 10,
                   "extra_steps": 2, "escalation": "qk-norm", "rewarm_steps": 4, "rule": "shift"}
-    assert T.effective(tiny(), [escalation]).model.qk_norm
-    with pytest.raises(T.UserError, match=r"the guard escalated this run \(qk-norm at step 8; "
+    assert CF.effective(tiny(), [escalation]).model.qk_norm
+    with pytest.raises(UserError, match=r"the guard escalated this run \(qk-norm at step 8; "
                        r"events.jsonl\): --optim.qk-clip"):
-        T.effective(tiny(optim__qk_clip=50.0), [escalation])
+        CF.effective(tiny(optim__qk_clip=50.0), [escalation])
 
 
 def test_warmstart_never_removes_a_converting_folder_it_did_not_write(tmp_path, capsys):
@@ -2216,7 +2232,7 @@ def test_the_new_scales_first_update_is_adams_with_zero_moments_under_the_carrie
     state = restore_final(src, 6)
     mesh = mesh_of(1, 1)
     with jax.set_mesh(mesh):
-        state = T.insert_qk_norm(cfg, state, mesh)
+        state = C.insert_qk_norm(cfg, T.make_tx(cfg), state, mesh)
         tokens = D.TokenData(cfg.data).batch(6)
         new, _ = T.make_train_step(cfg, T.make_tx(cfg))(state, jnp.asarray(tokens))
     lr = float(O.lr_schedule(cfg.optim, cfg.steps)(6))
@@ -2303,7 +2319,7 @@ def test_a_warm_started_run_rewarms_and_learns(warm_started):
     assert max(lines[-1]["attn_logit_max"]) <= np.sqrt(cfg.model.head_dim) + 1e-3
     # ... and back: the 4x2-written checkpoint resumes on one device
     more = dataclasses.replace(cfg, steps=14, mesh=CF.MeshConfig(1, 1))
-    with pytest.raises(T.UserError, match="steps"):  # a longer run is a different config
+    with pytest.raises(UserError, match="steps"):  # a longer run is a different config
         T.train(more, devices=jax.devices()[:1])
     on_4x2 = restore_final(cfg, 12)
     one = dataclasses.replace(cfg, mesh=CF.MeshConfig(1, 1), resume_step=9)
@@ -2402,7 +2418,7 @@ def test_a_conversion_killed_mid_save_leaves_no_run_behind(straight_run, tmp_pat
         with pytest.raises(KeyboardInterrupt):
             W.main(argv)
     assert not dst.exists() and (tmp_path / "new.converting" / "config.json").exists()
-    with pytest.raises(T.UserError, match="no config.json"):  # nothing to start fresh from
+    with pytest.raises(UserError, match="no config.json"):  # nothing to start fresh from
         W.load_source(dst, None)
     assert W.main(argv) == 0  # the same command again converts from scratch
     assert C.saved_steps(dst) == [6] and not (tmp_path / "new.converting").exists()
@@ -2550,12 +2566,21 @@ def test_an_exported_folder_computes_the_logits_of_model_forward(arch, straight_
     assert tensors["model.layers.1.self_attn.k_proj.weight"].shape == (
         cfg.model.n_kv_heads * cfg.model.head_dim, cfg.model.d_model)
     params = jax.tree.map(np.asarray, restore_final(cfg, step)["params"])
-    assert_trees_equal(E.from_hf(tensors, cfg.model), params)  # and back, exactly
+    assert_trees_equal(HF.from_hf(tensors, cfg.model), params)  # and back, exactly
     tokens = D.TokenData(cfg.data).held_out_batches()[0, 0, :-1]
     with jax.set_mesh(mesh_of(1, 1)):
         ours = np.asarray(M.forward(params, tokens[None], cfg.model)[0][0])
     theirs = hf_numpy_logits(tmp_path / "hf", tokens)
     np.testing.assert_allclose(theirs, ours, atol=1e-4 * np.abs(ours).max())
+
+
+def test_export_check_without_torch_says_so_before_writing_anything(straight_run, tmp_path,
+                                                                    monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)  # as on a machine without it
+    out = tmp_path / "hf"
+    assert E.main([straight_run[0].run_dir, "--to", str(out), "--check"]) == 2
+    assert "requirements-check.txt (nothing was written)" in capsys.readouterr().err
+    assert not out.exists()
 
 
 @pytest.mark.slow
@@ -2846,11 +2871,11 @@ def test_lr_sensitivity_recovery_and_the_spread_rule():
     assert E.recovery_after_warm_start({**rescue, "loss": rescue["loss"] + 1}, spiky,
                                        start=150) is None
     # a difference is called only where it exceeds the sum of the seeds' standard deviations
-    base = {"eval_loss": E.spread([2.0, 2.1, 2.2])}  # std 0.1
-    assert E.compare({"eval_loss": E.spread([1.95, 2.0, 2.05])}, base) == \
+    base = {"eval_loss": R.spread([2.0, 2.1, 2.2])}  # std 0.1
+    assert R.compare({"eval_loss": R.spread([1.95, 2.0, 2.05])}, base) == \
         "no measurable difference"  # 0.1 apart, stds 0.1 + 0.05
-    assert E.compare({"eval_loss": E.spread([1.7, 1.75, 1.8])}, base) == "better (-0.350)"
-    assert E.compare({"eval_loss": E.spread([2.5, 2.6, 2.7])}, base) == "worse (+0.500)"
+    assert R.compare({"eval_loss": R.spread([1.7, 1.75, 1.8])}, base) == "better (-0.350)"
+    assert R.compare({"eval_loss": R.spread([2.5, 2.6, 2.7])}, base) == "worse (+0.500)"
 
 def test_the_search_judges_s1_and_the_spikes_after_it_by_the_fixed_rules():
     import search as SE
@@ -2989,13 +3014,34 @@ def test_a_search_member_is_the_train_py_run_of_its_lr_and_seed(tmp_path):
         assert not np.array_equal(arrays["loss"][i], arrays["loss"][3 - i])  # members differ
 
 
+def test_a_guarded_group_is_its_train_py_runs_and_a_second_run_reads_them(tmp_path,
+                                                                          monkeypatch):
+    import search as SE
+    monkeypatch.setattr(SE, "SNAPSHOTS", tmp_path)
+    g = SE.Group("guarded", d_model=32, n_layers=2, steps=12, warmup_steps=4, seeds=(0, 1),
+                 batch_size=8, seq_len=32, guard=(("escalate", "qk-norm"),))
+    assert g.config().guard.on and g.config().guard.escalate == "qk-norm"
+    a = SE.train_guarded(g, log=lambda s: None)
+    assert a["loss"].shape == (2, 12) and a["attn_logit_max"].shape == (2, 12, 2)
+    for i, seed in enumerate(g.seeds):
+        m = R.read_metrics(tmp_path / "guarded" / f"seed{seed}")
+        np.testing.assert_array_equal(a["loss"][i], m["loss"])
+        assert C.read_config(tmp_path / "guarded" / f"seed{seed}")["seed"] == seed
+    assert list(a["eval_step"]) == [12] and a["recomputed"].tolist() == [0, 0]
+    assert not np.array_equal(a["loss"][0], a["loss"][1])
+    files = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("metrics.jsonl")}
+    again = SE.train_guarded(g, log=lambda s: None)  # finished: read back, not trained again
+    np.testing.assert_array_equal(again["loss"], a["loss"])
+    assert files == {p: p.stat().st_mtime_ns for p in tmp_path.rglob("metrics.jsonl")}
+
+
 def test_each_experiment_row_names_its_baseline_source_and_figure(tmp_path):
     """Adding a lever is one row: its baseline, its source and its panels are declared on it,
     and the table and the figures follow the rows (no list of names elsewhere)."""
     import experiments as E
     for e in E.EXPERIMENTS:
         assert e.baseline is None or E.BY_NAME[e.baseline].start == "train", e.name
-        assert set(e.panels) <= set(E.PANELS), e.name
+        assert set(e.panels) <= {*E.PANELS, E.LOGITS}, e.name
         assert e.start == "train" or E.BY_NAME[e.source].start == "train", e.name
     rng = np.random.default_rng(0)
 
@@ -3008,7 +3054,7 @@ def test_each_experiment_row_names_its_baseline_source_and_figure(tmp_path):
                "guard": {s: run(1.5 + 0.01 * s) for s in (0, 1, 2)},
                "marin-32b": {s: run(2.0 - 0.01 * s) for s in (0, 1, 2)}}
     rows = {name: {"seeds": {s: R.summary(m) for s, m in runs.items()},
-                   **{k: E.spread([R.summary(m)[k] for m in runs.values()]) for k in E.STATS}}
+                   **{k: R.spread([R.summary(m)[k] for m in runs.values()]) for k in E.STATS}}
             for name, runs in metrics.items()}
     text = E.table(rows, [0, 1, 2])
     assert "| guard | 1.510 ± 0.010 | better (-0.500) |" in text
@@ -3081,8 +3127,8 @@ def test_the_lr_sweep_reads_final_losses_and_lr_sensitivity_per_seed(tmp_path, m
 # The whole project: imports flow one way
 
 PROJECT = ["cli", "compat", "attention", "model", "optim", "data", "tracking", "distributed",
-           "checkpoint", "config", "export", "report", "train", "warmstart", "sample",
-           "experiments", "search", "bench"]
+           "checkpoint", "config", "hf", "export", "report", "guard", "train", "warmstart",
+           "sample", "experiments", "search", "bench"]
 
 
 def project_imports(name: str) -> tuple[set, set]:
@@ -3110,3 +3156,5 @@ def test_imports_flow_one_way():
                    for m in imports[a][0])
     assert not [n for n in PROJECT if reaches(n, n)]  # no circle, however long
     assert "train" not in imports["report"][0]
+    assert imports["guard"][0] <= {"report"}  # the guard decides from the event rules alone
+    assert imports["hf"][0] <= {"cli", "model"} and "export" not in imports["train"][0]
