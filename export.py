@@ -23,13 +23,13 @@ from config import load_checkpointed
 from data import TokenData
 from distributed import MeshConfig, make_mesh
 from hf import hf_config, to_hf
-from model import decay_mask, forward
+from model import forward, optimizer_layout
 from optim import make_optimizer
 
 
 def restore_params(run: pathlib.Path, step: int, cfg) -> dict:
     """The parameters of a run's checkpoint, on one device, as NumPy arrays."""
-    tx = make_optimizer(cfg.optim, cfg.steps, decay_mask(cfg.model))
+    tx = make_optimizer(cfg.optim, cfg.steps, **optimizer_layout(cfg.model))
     mesh = make_mesh(MeshConfig(1, 1), jax.devices()[:1])
     with jax.set_mesh(mesh):
         try:

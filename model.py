@@ -113,6 +113,7 @@ class ParamSpec:
     axes: tuple[str, ...]  # logical axis names, one per dimension
     init: object
     decay: bool  # weight decay applies to matrices only, never to norms or the embedding
+    fan_in: tuple[int, ...] = ()  # a matrix's input dims (Muon reduces over them); () if none
 
 
 def param_table(cfg: ModelConfig) -> dict[str, ParamSpec]:
@@ -123,16 +124,20 @@ def param_table(cfg: ModelConfig) -> dict[str, ParamSpec]:
     table = {
         "embed": ParamSpec((V, D), ("vocab", "embed"), w, False),
         "layers/attn_norm": ParamSpec((L, D), ("layers", "embed"), _ones, False),
-        "layers/wq": ParamSpec((L, D, N, H), ("layers", "embed", "heads", "head_dim"), w, True),
-        "layers/wk": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), w, True),
-        "layers/wv": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), w, True),
-        "layers/wo": ParamSpec((L, N, H, D), ("layers", "heads", "head_dim", "embed"), w, True),
+        "layers/wq": ParamSpec((L, D, N, H), ("layers", "embed", "heads", "head_dim"), w, True,
+                               (1,)),
+        "layers/wk": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), w, True,
+                               (1,)),
+        "layers/wv": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), w, True,
+                               (1,)),
+        "layers/wo": ParamSpec((L, N, H, D), ("layers", "heads", "head_dim", "embed"), w, True,
+                               (1, 2)),
         "layers/mlp_norm": ParamSpec((L, D), ("layers", "embed"), _ones, False),
-        "layers/w_gate": ParamSpec((L, D, F), ("layers", "embed", "ffw"), w, True),
-        "layers/w_up": ParamSpec((L, D, F), ("layers", "embed", "ffw"), w, True),
-        "layers/w_down": ParamSpec((L, F, D), ("layers", "ffw", "embed"), w, True),
+        "layers/w_gate": ParamSpec((L, D, F), ("layers", "embed", "ffw"), w, True, (1,)),
+        "layers/w_up": ParamSpec((L, D, F), ("layers", "embed", "ffw"), w, True, (1,)),
+        "layers/w_down": ParamSpec((L, F, D), ("layers", "ffw", "embed"), w, True, (1,)),
         "final_norm": ParamSpec((D,), ("embed",), _ones, False),
-        "head": ParamSpec((D, V), ("embed", "vocab"), w, True),
+        "head": ParamSpec((D, V), ("embed", "vocab"), w, True, (0,)),
     }
     if cfg.qk_norm:
         # One [H] scale per layer shared by all heads (Levanter's Qwen3, which Marin switched to;
@@ -191,6 +196,27 @@ def _nest(flat: dict) -> dict:
 
 def decay_mask(cfg: ModelConfig) -> dict:
     return _nest({k: s.decay for k, s in param_table(cfg).items()})
+
+
+def matrix_dims(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """{weight name: (its input dims, its output dims)} for every matrix of the table, as Muon
+    orthogonalises it (the stacked layer axis is neither: a batch axis)."""
+    return {k.split("/")[-1]: (s.fan_in, tuple(d for d, a in enumerate(s.axes)
+                                               if d not in s.fan_in and a != "layers"))
+            for k, s in param_table(cfg).items() if s.fan_in}
+
+
+def optimizer_layout(cfg: ModelConfig) -> dict:
+    """What optim.make_optimizer reads of the model, all from the table."""
+    return {"decay_mask": decay_mask(cfg), "matrix_dims": matrix_dims(cfg),
+            "head_axes": head_axes(cfg)}
+
+
+def head_axes(cfg: ModelConfig) -> dict[str, int]:
+    """The head dim of the query and key weights (QK-Clip rescales per head)."""
+    table = param_table(cfg)
+    return {"wq": table["layers/wq"].axes.index("heads"),
+            "wk": table["layers/wk"].axes.index("kv_heads")}
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> dict:

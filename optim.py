@@ -420,13 +420,15 @@ def is_stacked(path) -> bool:
     return any(getattr(k, "key", None) == "layers" for k in path)
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int, decay_mask
-                   ) -> optax.GradientTransformationExtraArgs:
+def make_optimizer(cfg: OptimConfig, total_steps: int, decay_mask, matrix_dims=None,
+                   head_axes=None) -> optax.GradientTransformationExtraArgs:
+    """The optimizer of `cfg`. The model's layout comes from its parameter table
+    (model.decay_mask, model.matrix_dims for Muon, model.head_axes for QK-Clip)."""
     schedule = lr_schedule(cfg, total_steps)
     if cfg.optimizer == "adamw":
         direction = optax.scale_by_adam(cfg.b1, cfg.b2, cfg.eps)
     else:
-        direction = muon_with_adam(cfg, decay_mask)
+        direction = muon_with_adam(cfg, decay_mask, matrix_dims)
     if cfg.grad_clip == "zclip":
         grad_clip = zclip(cfg.zclip_alpha, cfg.zclip_z, cfg.zclip_warmup, cfg.max_grad_norm)
     elif cfg.max_grad_norm > 0:
@@ -445,11 +447,11 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, decay_mask
     if cfg.skip_step:
         inner = skip_step(inner, cfg.skip_window, cfg.skip_sigma, patience=cfg.skip_patience)
     tx = optax.chain(refuse_nonfinite(inner), scale_by_schedule_at_step(schedule))
-    return qk_clip(tx, cfg.qk_clip, cfg.qk_clip_start) if cfg.qk_clip > 0 else tx
+    return qk_clip(tx, cfg.qk_clip, cfg.qk_clip_start, head_axes) if cfg.qk_clip > 0 else tx
 
 
-def qk_clip(inner: optax.GradientTransformation, tau: float, start: int = 0
-            ) -> optax.GradientTransformationExtraArgs:
+def qk_clip(inner: optax.GradientTransformation, tau: float, start: int = 0,
+            head_axes=None) -> optax.GradientTransformationExtraArgs:
     """QK-Clip (Kimi K2, arXiv 2507.20534, MuonClip) around the whole optimizer: after an
     applied step from `start` on, every attention head whose max pre-softmax logit on the
     step's batch, S (the signed max, as K2's Alg. 1, MaxText and Megatron-LM take it:
@@ -465,7 +467,10 @@ def qk_clip(inner: optax.GradientTransformation, tau: float, start: int = 0
 
     Stateless: the state is `inner`'s, so switching it on mid-run adds nothing to a
     checkpoint. A step that applied nothing (refused or skipped) clips nothing. QK-Norm
-    normalises the scale of q and k away, so the two are not combined (config.py refuses it)."""
+    normalises the scale of q and k away, so the two are not combined (config.py refuses it).
+    `head_axes`: the head dim of wq and wk (model.head_axes; default model.py's layout, 2)."""
+    axes = head_axes or {"wq": 2, "wk": 2}
+
     def update(updates, state, params=None, *, attn_logit_max_per_head, step, **extra):
         updates, state = inner.update(updates, state, params, step=step, **extra)
         found = _metrics_by_type(state)
@@ -482,12 +487,13 @@ def qk_clip(inner: optax.GradientTransformation, tau: float, start: int = 0
         else:  # grouped: the query heads take it all, the shared key nothing
             q_scale_LN, k_scale_LK = gamma_LN, jnp.ones((L, K), jnp.float32)
 
-        def rescaled(w, u, scale):  # [L, D, heads, H] * [L, heads] -> the update to (w+u)*s
-            return ((w + u) * scale[:, None, :, None].astype(w.dtype) - w).astype(u.dtype)
+        def rescaled(name, scale):  # w [L, ..., heads, ...] * s [L, heads] -> (w + u) * s - w
+            w, u = params["layers"][name], updates["layers"][name]
+            s = jnp.expand_dims(scale, [d for d in range(1, w.ndim) if d != axes[name]])
+            return ((w + u) * s.astype(w.dtype) - w).astype(u.dtype)
         layers = dict(updates["layers"])
-        p = params["layers"]
-        layers["wq"] = rescaled(p["wq"], layers["wq"], q_scale_LN)
-        layers["wk"] = rescaled(p["wk"], layers["wk"], k_scale_LK)
+        layers["wq"] = rescaled("wq", q_scale_LN)
+        layers["wk"] = rescaled("wk", k_scale_LK)
         return {**updates, "layers": layers}, state
 
     return optax.GradientTransformationExtraArgs(inner.init, update)
@@ -503,35 +509,31 @@ def scale_by_schedule_at_step(schedule) -> optax.GradientTransformationExtraArgs
     return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update)
 
 
-# Muon: for each weight matrix, which axes it reduces over (input) and which it outputs; axis 0
-# of stacked weights is the layer axis, a batch axis for Muon.
-_MUON_DIMS = {
-    "wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)), "wo": ((1, 2), (3,)),
-    "w_gate": ((1,), (2,)), "w_up": ((1,), (2,)), "w_down": ((1,), (2,)), "head": ((0,), (1,)),
-}
-
-
-def muon_with_adam(cfg: OptimConfig, decay_mask) -> optax.GradientTransformation:
+def muon_with_adam(cfg: OptimConfig, decay_mask, matrix_dims) -> optax.GradientTransformation:
     """Muon (orthogonalised momentum, Jordan et al. 2024) for the hidden weight matrices, Adam
     for the rest (norms, embedding, and the LM head unless `muon_head`), as Levanter's and
     Keller Jordan's Muon split them. Marin tried it on the 32B: "looked great until it
     didn't".
     Muon's update is rescaled by 0.2 * sqrt(max(fan_in, fan_out)) to Adam's typical update RMS
-    (Liu et al. 2025, "Muon is scalable"), so one learning rate serves both."""
+    (Liu et al. 2025, "Muon is scalable"), so one learning rate serves both. `matrix_dims`:
+    {weight name: (input dims, output dims)} of the model's matrices (model.matrix_dims)."""
+    if not matrix_dims:
+        raise ValueError("Muon needs the model's matrix dims (model.matrix_dims)")
+
     def dims(tree):
         return jax.tree_util.tree_map_with_path(
-            lambda path, _: optax.contrib.MuonDimensionNumbers(*_MUON_DIMS[path[-1].key]), tree)
+            lambda path, _: optax.contrib.MuonDimensionNumbers(*matrix_dims[path[-1].key]), tree)
 
     def match_adam_rms(updates, state, params=None):
         def scale(path, u):
-            red, out = _MUON_DIMS[path[-1].key]
+            red, out = matrix_dims[path[-1].key]
             fan = max(math.prod(u.shape[a] for a in red), math.prod(u.shape[a] for a in out))
             return u * (0.2 * math.sqrt(fan))
         return jax.tree_util.tree_map_with_path(scale, updates), state
 
     labels = jax.tree_util.tree_map_with_path(
-        lambda path, decayed: "muon" if decayed and (cfg.muon_head or path[-1].key != "head")
-        else "adam", decay_mask)
+        lambda path, decayed: "muon" if decayed and path[-1].key in matrix_dims
+        and (cfg.muon_head or path[-1].key != "head") else "adam", decay_mask)
     muon = on_whole_arrays(optax.chain(
         optax.contrib.scale_by_muon(beta=cfg.muon_momentum, eps=cfg.eps,
                                     weight_dimension_numbers=dims),

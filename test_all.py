@@ -721,7 +721,7 @@ def test_muon_splits_the_parameters_as_levanters_muon_does():
     grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
     for muon_head in (False, True):
         o = dataclasses.replace(cfg.optim, muon_head=muon_head)
-        tx = O.muon_with_adam(o, M.decay_mask(cfg.model))
+        tx = O.muon_with_adam(o, M.decay_mask(cfg.model), M.matrix_dims(cfg.model))
         with jax.set_mesh(mesh_of(1, 1)):
             updates, state = tx.update(grads, tx.init(params), params)
         adam = state.inner_states["adam"].inner_state
@@ -733,6 +733,20 @@ def test_muon_splits_the_parameters_as_levanters_muon_does():
         np.testing.assert_allclose(np.asarray(muon.mu["layers"]["wq"]), 0.05 * 0.5, rtol=1e-6)
         if not muon_head:  # Adam's first step on a constant gradient: +-1 per element
             np.testing.assert_allclose(np.asarray(updates["head"]), 1.0, rtol=1e-5)
+
+
+def test_the_optimizer_reads_the_weight_layout_from_the_parameter_table():
+    """Muon's input / output dims and QK-Clip's head dims come from model.param_table (its axes
+    and fan_in), not from a second table of names: the same dims the optimizer used to name."""
+    cfg = tiny().model
+    assert M.matrix_dims(cfg) == {
+        "wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)), "wo": ((1, 2), (3,)),
+        "w_gate": ((1,), (2,)), "w_up": ((1,), (2,)), "w_down": ((1,), (2,)),
+        "head": ((0,), (1,))}
+    assert M.head_axes(cfg) == {"wq": 2, "wk": 2}
+    for name, (inputs, outputs) in M.matrix_dims(cfg).items():  # every non-layer dim, once
+        spec = M.param_table(cfg)[name if name == "head" else f"layers/{name}"]
+        assert sorted(inputs + outputs) == [d for d, a in enumerate(spec.axes) if a != "layers"]
 
 
 @pytest.mark.slow

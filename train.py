@@ -67,7 +67,7 @@ from distributed import (
     start_distributed,
 )
 from hf import load_hf
-from model import count_params, decay_mask, flops_per_token, logical_to_spec, loss_fn
+from model import count_params, flops_per_token, logical_to_spec, loss_fn, optimizer_layout
 from optim import lr_schedule, make_optimizer, opt_metrics, per_layer_metrics
 from report import acted, describe, event_report, plot, read_events, read_metrics
 from tracking import Tracker
@@ -81,7 +81,7 @@ def load_data(cfg: TrainConfig) -> TokenData:
 
 
 def make_tx(cfg: TrainConfig):
-    return make_optimizer(cfg.optim, cfg.steps, decay_mask(cfg.model))
+    return make_optimizer(cfg.optim, cfg.steps, **optimizer_layout(cfg.model))
 
 
 # ---------------------------------------------------------------------------------------------
