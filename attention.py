@@ -90,7 +90,7 @@ def dense(q_BTNH, k_BSKH, v_BSKH, q_offset=0, softcap: float = 0.0):
     q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
     logits_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH,
                               preferred_element_type=jnp.float32) / math.sqrt(H)
-    causal_TS = (q_offset + jnp.arange(T))[:, None] >= jnp.arange(S)[None, :]
+    causal_TS = _causal(q_offset, 0, (T, S), 1)
     logit_max = jnp.max(jnp.where(causal_TS, jnp.abs(logits_BKGTS), 0.0))
     probs_BKGTS = jax.nn.softmax(jnp.where(causal_TS, cap(logits_BKGTS, softcap), _MASKED),
                                  axis=-1)
@@ -102,30 +102,36 @@ def head_logit_max(q_BTNH, k_BTKH, spec: P, chunk: int = 512):
     """[N] the signed max of q.k / sqrt(H) of each query head over the causal entries: QK-Clip's
     statistic (optim.py) as Kimi K2 (arXiv 2507.20534, Alg. 1), MaxText's qk_clip_utils.py
     and Megatron-LM take it (a head whose logits are only large and negative is not clipped;
-    the logged instability statistic, attn_logit_max, stays the |max|). Forward only, without
-    gradient, one chunk of query positions at a time (memory O(T * chunk)), per device like
-    `attend`. It recomputes the scores the attention
-    form already computed: ~one more q k^T matmul per layer, paid only while QK-Clip is on."""
-    def local(q_BTNH, k_BTKH):
-        B, T, N, H = q_BTNH.shape
-        K = k_BTKH.shape[2]
-        q_BTNH, k_BTKH = jax.lax.stop_gradient((q_BTNH / math.sqrt(H), k_BTKH))
-        c = min(chunk, T)
-        n = -(-T // c)  # padded query positions are masked out
-        q_nBcKGH = jnp.pad(q_BTNH, [(0, 0), (0, n * c - T), (0, 0), (0, 0)]).reshape(
-            B, n, c, K, N // K, H).swapaxes(0, 1)
-
-        def chunk_max(i):
-            s_BKGcS = jnp.einsum("bckgh,bskh->bkgcs", q_nBcKGH[i], k_BTKH,
-                                 preferred_element_type=jnp.float32)
-            pos_c = i * c + jnp.arange(c)
-            causal_cS = (pos_c[:, None] >= jnp.arange(T)[None, :]) & (pos_c < T)[:, None]
-            return jnp.max(jnp.where(causal_cS, s_BKGcS, -jnp.inf), axis=(0, 3, 4))
-        return jnp.max(jax.lax.map(chunk_max, jnp.arange(n)), axis=0).reshape(1, N)
-
-    maxes_DN = jax.shard_map(local, in_specs=(spec, spec), out_specs=P(spec[0], spec[2]),
+    the logged instability statistic, attn_logit_max, stays the |max|). Per device like
+    `attend`. It recomputes the scores the attention form already computed: ~one more q k^T
+    matmul per layer, paid only while QK-Clip is on."""
+    maxes_DN = jax.shard_map(lambda q, k: chunked_logit_max(q, k, chunk, per_head=True)[None],
+                             in_specs=(spec, spec), out_specs=P(spec[0], spec[2]),
                              check_vma=False)(q_BTNH, k_BTKH)
     return jnp.max(maxes_DN, axis=0)
+
+
+def chunked_logit_max(q_BTNH, k_BTKH, chunk: int = 512, per_head: bool = False):
+    """The max |q.k / sqrt(H)| over the causal entries (a scalar), or with `per_head` each query
+    head's signed max ([N]), from a pass over the scores one chunk of query positions at a
+    time: forward only, without gradient, memory O(T * chunk)."""
+    B, T, N, H = q_BTNH.shape
+    K = k_BTKH.shape[2]
+    G = N // K
+    q_BTNH, k_BTKH = jax.lax.stop_gradient((q_BTNH / math.sqrt(H), k_BTKH))
+    c = min(chunk, T)
+    q_nBKRH, _, _, n = _blocks(q_BTNH, k_BTKH, k_BTKH, c)
+
+    def chunk_max(i):
+        s_BKRS = jnp.einsum("bkrh,bskh->bkrs", q_nBKRH[i], k_BTKH,
+                            preferred_element_type=jnp.float32)
+        real = (i * c + jnp.arange(c * G) // G < T)[:, None]  # not a padded query position
+        seen_RS = _causal(i * c, 0, s_BKRS.shape[-2:], G) & real
+        if per_head:  # rows are position-major: row r is position r // G, head r % G
+            s = jnp.where(seen_RS, s_BKRS, -jnp.inf).reshape(B, K, c, G, T)
+            return jnp.max(s, axis=(0, 2, 4)).reshape(N)
+        return jnp.max(jnp.where(seen_RS, jnp.abs(s_BKRS), 0.0))
+    return jnp.max(jax.lax.map(chunk_max, jnp.arange(n)), axis=0)
 
 
 def _grouped_rows(x_BTNH, K):
@@ -145,7 +151,7 @@ def grouped(q_BTNH, k_BTKH, v_BTKH, softcap: float = 0.0):
     q_BKRH = _grouped_rows(q_BTNH * jnp.asarray(1 / math.sqrt(H), q_BTNH.dtype), K)
     logits_BKRS = jnp.einsum("bkrh,bskh->bkrs", q_BKRH, k_BTKH,
                              preferred_element_type=jnp.float32)
-    causal_RS = (jnp.arange(T * G) // G)[:, None] >= jnp.arange(T)[None, :]
+    causal_RS = _causal(0, 0, (T * G, T), G)
     logit_max = jnp.max(jnp.where(causal_RS, jnp.abs(logits_BKRS), 0.0))
     probs_BKRS = jax.nn.softmax(jnp.where(causal_RS, cap(logits_BKRS, softcap), _MASKED),
                                 axis=-1)
@@ -155,22 +161,10 @@ def grouped(q_BTNH, k_BTKH, v_BTKH, softcap: float = 0.0):
 
 def cudnn(q_BTNH, k_BTKH, v_BTKH, implementation="cudnn"):
     """The library's fused attention (cuDNN's flash kernel on NVIDIA GPUs), and the statistic
-    from a pass over the scores one query block at a time (forward only, memory O(T * 512))."""
-    B, T, N, H = q_BTNH.shape
-    K = k_BTKH.shape[2]
+    from chunked_logit_max (forward only, memory O(T * 512))."""
     out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True,
                                             implementation=implementation)
-    q_BTNH, k_BTKH = jax.lax.stop_gradient((q_BTNH / math.sqrt(H), k_BTKH))
-    c = min(512, T)
-    q_nBKRH, _, _, n = _blocks(q_BTNH, k_BTKH, k_BTKH, c)
-
-    def block_max(i):
-        s_BKRS = jnp.einsum("bkrh,bskh->bkrs", q_nBKRH[i], k_BTKH,
-                            preferred_element_type=jnp.float32)
-        return jnp.max(jnp.where(_causal(i * c, 0, s_BKRS.shape[-2:], N // K),
-                                 jnp.abs(s_BKRS), 0.0))
-
-    return out_BTNH, jnp.max(jax.lax.map(block_max, jnp.arange(n)))
+    return out_BTNH, chunked_logit_max(q_BTNH, k_BTKH)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -190,6 +190,10 @@ def check_fits(mesh: MeshConfig, model: ModelConfig, batch_size: int,
     """Raise UserError if the mesh cannot hold this model and batch. Which dimension is split
     over which mesh axis comes from the parameter table, as the shardings do."""
     sizes = {"data": mesh.data, "model": mesh.model}
+    if LOGICAL_TO_MESH["seq"]:
+        raise UserError(f"model.LOGICAL_TO_MESH splits the sequence over "
+                        f"{LOGICAL_TO_MESH['seq']!r}, but every attention form builds its causal "
+                        "mask from the positions one device holds: keep \"seq\" unsplit (None)")
     if n_devices is not None and mesh.data * mesh.model != n_devices:
         raise UserError(f"mesh {mesh.data}x{mesh.model} needs {mesh.data * mesh.model} devices "
                         f"but {n_devices} are present: set --mesh.data and --mesh.model so "

@@ -735,6 +735,13 @@ def test_muon_splits_the_parameters_as_levanters_muon_does():
             np.testing.assert_allclose(np.asarray(updates["head"]), 1.0, rtol=1e-5)
 
 
+def test_a_split_sequence_is_refused_in_one_line(monkeypatch):
+    """Every attention form builds its causal mask from the positions on one device."""
+    monkeypatch.setitem(M.LOGICAL_TO_MESH, "seq", "model")
+    with pytest.raises(UserError, match="keep \"seq\" unsplit"):
+        DI.check_fits(CF.MeshConfig(1, 1), tiny().model, 8, 1)
+
+
 def test_the_optimizer_reads_the_weight_layout_from_the_parameter_table():
     """Muon's input / output dims and QK-Clip's head dims come from model.param_table (its axes
     and fan_in), not from a second table of names: the same dims the optimizer used to name."""
