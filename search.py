@@ -318,7 +318,9 @@ def train_guarded(g: Group, log=print) -> dict:
         per.append({k: v for k, v in m.items() if k not in (
             "step", "lr", "tokens_per_s", "eval_step", "eval_loss", "guard_events")} | {
             "eval_loss": m["eval_loss"], "recomputed": np.array(lines - len(m["step"])),
-            "guard_actions": np.array(len(m.get("guard_events", [])))})
+            "guard_actions": np.array(len(m.get("guard_events", []))),
+            "escalated_at": np.array(next((e["rollback_to"] for e in m.get("guard_events", [])
+                                           if e.get("escalation")), -1))})
         per[-1]["eval_step"] = m["eval_step"] + 1  # logged at step N - 1: after N steps
     arrays = {k: np.stack([p[k] for p in per]) for k in per[0] if k != "eval_step"}
     return arrays | {"eval_step": per[0]["eval_step"].astype(int), "first_step": 0,
@@ -361,7 +363,8 @@ def outcomes(g: Group, members: list[tuple[float, int, dict, int]]) -> list[dict
             "final_loss_100": float(np.nanmean(loss[-100:])),
             "finite": bool(np.all(np.isfinite(loss))),
         } | ({"guard_actions": int(a["guard_actions"][i]), "recomputed_steps":
-              int(a["recomputed"][i])} if "recomputed" in a else {}))
+              int(a["recomputed"][i]), "escalated_at": int(a["escalated_at"][i])}
+             if "recomputed" in a else {}))
     return rows
 
 
@@ -750,7 +753,11 @@ def evidence_rows(record: dict, base: str = "story8", twin: str = "story8-qk") -
             "old_spikes": [p["old_spikes"] for p in per],
             "old_shifts": [p["old_shifts"] for p in per],
             "old_never": [p["old_never"] for p in per]}
-        rows.append({"group": g.name, "seeds": seeds, "per_seed": per,
+        members = sorted(record["groups"][g.name]["members"], key=lambda m: m["seed"])
+        guarded = {k: [m[k] for m in members] for k in ("guard_actions", "recomputed_steps",
+                                                          "escalated_at") if k in members[0]}
+        guarded |= {"run_steps": g.steps} if guarded else {}
+        rows.append({"group": g.name, "seeds": seeds, "per_seed": per, "guard": guarded,
                      "cpu": record["groups"][g.name].get("machine", {}).get("cpu", "?"),
                      **{key: {"values": [float(x) for x in v], "mean": float(np.mean(v)),
                               "ci": bootstrap(v)} for key, v in stats.items()},
@@ -794,6 +801,19 @@ def evidence_markdown(rows: list[dict]) -> str:
                      + " | ".join("—" if not x["at_risk"] else
                                   f"{x['share_not_back']:.0%} ({x['at_risk']})"
                                   for x in r["survival"]) + " |")
+    for r in rows:
+        if r.get("guard"):
+            gd = r["guard"]
+            share = [x / gd["run_steps"] for x in gd["recomputed_steps"]]
+            at = [s for s in gd["escalated_at"] if s >= 0]
+            lines.append(
+                f"\n{name.get(r['group'], r['group'].removeprefix('story8-'))}: "
+                f"{np.mean(gd['guard_actions']):.1f} guard actions per seed "
+                f"({min(gd['guard_actions'])}-{max(gd['guard_actions'])}), steps computed again "
+                f"{min(share):.1%}-{max(share):.1%} of the run's (mean {np.mean(share):.1%}); "
+                f"escalated to QK-Norm in {len(at)} of {len(gd['escalated_at'])} seeds"
+                + (f" (from steps {', '.join(f'{s:,}' for s in sorted(at))})" if at else "")
+                + ".")
     cpus = sorted({r["cpu"] for r in rows})
     lines.append(f"\nRan on: {'; '.join(cpus)}. Intervals: 95% percentile bootstrap over seeds "
                  "(10,000 resamples, fixed RNG). A difference is called only where two "
