@@ -4,10 +4,14 @@
     python experiments.py baseline rescue --seeds 0,1,2 --jobs 1
     python experiments.py --list           # the command of every run
     python experiments.py --results-only   # tables and figures from the runs already made
+    python experiments.py story8 story8-qk # harness rows: 8 seeds in one vmapped step (search.py)
+    python experiments.py --evidence --plot  # the 8-seed rates with intervals, figure, README
+    python experiments.py --rerun story8 --seed 3   # one stored member again: inside its row?
 
 These are the story's runs that need train.py itself: the baseline and everything started from
 its checkpoints (or from another run's), the guard, and the 32B's configuration with QK-Norm
-inserted into it; the levers from scratch run in search.py's vmapped harness. Every run is
+inserted into it. The harness rows (the levers from scratch, the LR sweep, the 8-seed evidence)
+are declared here too and trained by search.py's vmapped harness. Every train.py run is
 exactly the command `--list` prints, in runs/exp/NAME-sSEED; a finished run is not run again,
 so an interrupted suite resumes where it stopped. The seed sets both the initialisation (--seed)
 and the data order (--data.seed). Some runs depend on others: the rescues warm-start from a
@@ -24,6 +28,7 @@ where the difference of the means exceeds the sum of the two standard deviations
 
 import dataclasses
 import json
+import math
 import pathlib
 import shutil
 import subprocess
@@ -39,22 +44,38 @@ from checkpoint import saved_steps, strict_json
 from cli import UserError, command, parse
 from config import PRESETS
 from report import (
+    bootstrap,
     compare,
     ema,
+    episodes,
     find_shifts,
     find_spikes,
     machine,
+    mark_hard_batches,
     pyplot,
     read_metrics,
+    recovery,
     save_figure,
     seed_curves,
+    spike_score,
+    spliced,
     spread,
     summary,
+    survival,
     update_readme,
+)
+from search import (
+    STORY,
+    Group,
+    first_match,
+    load,
+    register,
+    train_members,
+    twin,
 )
 
 RUNS, RESULTS = pathlib.Path("runs/exp"), pathlib.Path("results")
-STORY = "story"  # the preset (train.py)
+STORY_PRESET = "story"  # the preset (train.py)
 REWARMUP = 100
 REPLACED = 20  # replace-batches: the batches of this many steps before the event
 
@@ -65,7 +86,7 @@ class Experiment:
     drawn. Adding a lever is adding one of these."""
     name: str
     flags: tuple[str, ...] = ()  # train.py flags on top of the preset
-    preset: str = STORY
+    preset: str = STORY_PRESET
     baseline: str | None = "baseline"  # the row its held-out loss is compared with
     panels: tuple[str, ...] = ("rescue",)  # the figures (PANELS) it is drawn in
     # How its runs start: "train" from scratch; "rescue": QK-Norm inserted by warmstart.py into
@@ -107,6 +128,64 @@ PANELS = {
     "marin-32b": ("marin_32b_and_rescue.png", "the 32B's configuration (clip 0.2, skip-step, "
                   "update-norm clip);\nQK-Norm inserted into it after its first level shift"),
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# The harness's rows (search.py trains them: train.py's own step vmapped over seeds, or for a
+# guarded row train.py's loop per seed). Adding a lever is one row here.
+
+def lever(name: str, model: dict | None = None, **optim) -> Group:
+    return dataclasses.replace(STORY, name=f"story-{name}", optim=tuple(optim.items()),
+                               model=tuple((model or {}).items()),
+                               compare_with=STORY.name + "-qk")
+
+
+LEVERS = [
+    lever("marin-32b", max_grad_norm=0.2, skip_step=True, update_clip="norm"),  # the three
+    lever("clip-0.2", max_grad_norm=0.2),
+    lever("skip-step", skip_step=True),
+    lever("update-clip-norm", update_clip="norm"),
+    lever("qk-clip-100", qk_clip=100.0),
+    lever("softcap-50", model={"attn_softcap": 50.0}),  # Gemma 2's cap
+    lever("zclip", grad_clip="zclip"),
+    lever("update-clip-rms", update_clip="rms"),
+    lever("muon", optimizer="muon", muon_head=True),  # (the variant run then: LM head on Muon)
+]
+# LR sensitivity as Wortsman et al. (2309.14322) define it: the story regime at each LR of a
+# half-decade grid from 1e-3 to 1, with and without QK-Norm, one group per LR and arm (each
+# recorded as it finishes), the LRs nearest the story's 5e-2 first.
+SWEEP_LRS = (1e-1, 3e-2, 3e-1, 1.0, 1e-2, 3e-3, 1e-3)
+SWEEP = [g for lr in SWEEP_LRS for base in [dataclasses.replace(STORY, name=f"story-lr{lr:g}",
+                                                                lrs=(lr,))]
+         for g in (base, twin(base))]
+SWEEP_NAMES = {g.name for g in SWEEP}
+# The evidence: the story regime over 8 seeds (init and data order both drawn from the seed),
+# with train.py's own step (unrolled layers, the story preset's since then): the baseline
+# (keeping its state every 250 steps, where a warm start can begin), its QK-Norm twin, the 32B's
+# three levers, and QK-Norm inserted mid-run (fork_steps) with a 100-step re-warmup from 0.1x.
+EVIDENCE_SEEDS = tuple(range(8))
+EVIDENCE = dataclasses.replace(STORY, name="story8", seeds=EVIDENCE_SEEDS, snapshot_every=250)
+EVIDENCE_GROUPS = [
+    EVIDENCE, twin(EVIDENCE, snapshot_every=0),
+    dataclasses.replace(LEVERS[0], name="story8-marin-32b", seeds=EVIDENCE_SEEDS,
+                        compare_with="story8-qk"),
+    dataclasses.replace(EVIDENCE, name="story8-qk-inserted", qk_norm=True, fork="story8",
+                        snapshot_every=0, compare_with="story8-qk",
+                        optim=(("rewarmup_steps", 100), ("rewarmup_from_ratio", 0.1))),
+]
+# The guard with escalation to QK-Norm (train.py's loop, one seed after the other).
+EVIDENCE_GROUPS.append(dataclasses.replace(EVIDENCE, name="story8-guard-escalate", snapshot_every=0,
+                                           guard=(("escalate", "qk-norm"),),
+                                           compare_with="story8-qk"))
+# The references' tools over the same seeds (run after the four above): QK-Clip's signed max
+# and no-growth rule, Muon with the references' split, MuonClip (Muon + QK-Clip, as K2).
+EVIDENCE_GROUPS += [
+    dataclasses.replace(lever(name, **optim), name=f"story8-{name}", seeds=EVIDENCE_SEEDS,
+                        compare_with="story8-qk")
+    for name, optim in (("qk-clip-100", {"qk_clip": 100.0}), ("muon", {"optimizer": "muon"}),
+                        ("muonclip-100", {"optimizer": "muon", "qk_clip": 100.0}))]
+HARNESS_ROWS = {g.name: g for g in (*LEVERS, *SWEEP, *EVIDENCE_GROUPS)}
+register(*HARNESS_ROWS.values())
 
 
 def run_dir(name: str, seed: int) -> pathlib.Path:
@@ -276,8 +355,8 @@ def caught_up(m: dict, seed: int, start: int, tol: float = 0.05) -> int | None:
     path = RESULTS / "search.json"
     if not path.is_file():
         return None
-    twin = json.loads(path.read_text())["groups"].get(search.twin(search.STORY).name, {})
-    mine = [x for x in twin.get("members", []) if x["seed"] == seed]
+    twin_row = json.loads(path.read_text())["groups"].get(twin(STORY).name, {})
+    mine = [x for x in twin_row.get("members", []) if x["seed"] == seed]
     if not mine:
         return None
     qk = dict(zip(mine[0]["eval_step"], mine[0]["eval_loss"]))  # after N steps: step N
@@ -499,6 +578,433 @@ def mechanism_table(events: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------
+# The harness rows' tables and figures: the levers, the LR sweep
+
+def lever_rows(record: dict) -> list[dict]:
+    """The story baseline, its QK-Norm twin and each lever run so far: per seed the one-step
+    spikes and level shifts after the baseline's S1 of that seed, the held-out loss at the end,
+    the skipped steps; and the held-out mean and sd over seeds."""
+    groups = record["groups"]
+    base = {m["seed"]: m for m in groups.get(STORY.name, {}).get("members", [])}
+    twin_ = {m["seed"]: m for m in groups.get(STORY.name + "-qk", {}).get("members", [])}
+    s1 = {s: first_match(base[s]["eval_loss"], twin_[s]["eval_loss"], base[s]["eval_step"])
+          for s in base if s in twin_}
+    rows = []
+    for name in [STORY.name, STORY.name + "-qk", *(g.name for g in LEVERS)]:
+        if name not in groups:
+            continue
+        members = sorted(groups[name]["members"], key=lambda m: m["seed"])
+        after = [s1.get(m["seed"]) or 0 for m in members]
+        evals = np.array([m["eval_loss"][-1] for m in members])
+        rows.append({"group": name, "seeds": [m["seed"] for m in members], "s1": after,
+                     "spikes": [sum(x >= a for x in m["spike_steps"])
+                                for m, a in zip(members, after)],
+                     "shifts": [sum(x >= a for x in m["shift_steps"])
+                                for m, a in zip(members, after)],
+                     "skipped": [m.get("skipped_steps", 0) for m in members],
+                     "eval": evals.tolist(), "eval_mean": float(evals.mean()),
+                     "eval_sd": float(evals.std(ddof=1)) if len(evals) > 1 else 0.0,
+                     "max_logit": [m["max_attn_logit"] for m in members],
+                     "spike_score": spike_score_means(name)})
+    return rows
+
+
+def spike_score_means(group: str) -> dict[str, float] | None:
+    """OLMo-core's spike score (6 sigma over the last 128 steps, report.py) of the loss and the
+    grad norm, as the mean over the group's members, from its curves; None without them."""
+    path = search.CURVES / f"{group}.npz"
+    if not path.is_file():
+        return None
+    curves = np.load(path)
+    return {key: float(np.mean([spike_score(x, 128, 6.0) for x in curves[key]]))
+            for key in ("loss", "grad_norm")}
+
+
+def levers_markdown(record: dict) -> str:
+    rows = lever_rows(record)
+    if not rows:
+        return "no lever run yet"
+    base = rows[0]
+    lines = ["| run (3 seeds, from scratch) | spikes after S1 | level shifts after S1 | "
+             "held-out (nats/byte) | vs baseline | max attn logit | skipped steps | spike score "
+             "loss / grad norm (6σ/128) |", "|---" * 8 + "|"]
+    for r in rows:
+        d = r["eval_mean"] - base["eval_mean"]
+        vs = ("—" if r is base else f"{d:+.3f}" + (" (within the spread)" if abs(d) <=
+                                                     r["eval_sd"] + base["eval_sd"] else ""))
+        name = {STORY.name: "baseline", STORY.name + "-qk": "QK-Norm"}.get(
+            r["group"], r["group"].removeprefix("story-"))
+        lines.append(f"| {name} | {', '.join(map(str, r['spikes']))} | "
+                     f"{', '.join(map(str, r['shifts']))} | {r['eval_mean']:.3f} ± "
+                     f"{r['eval_sd']:.3f} | {vs} | {min(r['max_logit']):,.0f}–"
+                     f"{max(r['max_logit']):,.0f} | {', '.join(map(str, r['skipped']))} | "
+                     + (f"{r['spike_score']['loss']:.2%} / {r['spike_score']['grad_norm']:.2%} |"
+                        if r["spike_score"] else "— |"))
+    return "\n".join(lines)
+
+
+def sweep_rows(record: dict) -> list[dict]:
+    """The LR sweep so far, one row per LR and arm: each seed's held-out loss at the end (NaN
+    where the run went non-finite), its initial train loss, spikes, level shifts, max logit."""
+    rows = []
+    for g in sorted(SWEEP, key=lambda g: (g.lrs[0], g.qk_norm)):
+        if g.name not in record["groups"]:
+            continue
+        members = sorted(record["groups"][g.name]["members"], key=lambda m: m["seed"])
+        first = np.load(search.CURVES / f"{g.name}.npz")["loss"][:, 0]
+        rows.append({"lr": g.lrs[0], "qk_norm": g.qk_norm, "seeds": [m["seed"] for m in members],
+                     "final": [m["eval_loss"][-1] if m["finite"] else math.nan
+                               for m in members],
+                     "initial": [float(x) for x in first],
+                     "spikes": [len(m["spike_steps"]) for m in members],
+                     "shifts": [len(m["shift_steps"]) for m in members],
+                     "max_logit": [m["max_attn_logit"] for m in members]})
+    return rows
+
+
+def lr_sensitivity(finals: dict[str, float], initial: float) -> float:
+    """Wortsman et al. (2309.14322): mean over the LR grid of min(final loss, initial loss)
+    minus the best final loss; a run that did not finish counts at the initial loss."""
+    clipped = [min(f, initial) if math.isfinite(f) else initial for f in finals.values()]
+    return float(np.mean(clipped) - min(clipped))
+
+
+def both_arms(rows: list[dict]) -> list[float]:
+    """The LRs the sweep has finished with and without QK-Norm."""
+    return sorted({r["lr"] for r in rows if r["qk_norm"]}
+                  & {r["lr"] for r in rows if not r["qk_norm"]})
+
+
+def sensitivity(rows: list[dict]) -> dict[bool, list[float]] | None:
+    """Wortsman et al.'s LR sensitivity per seed, without and with QK-Norm, over the LRs both
+    arms have finished (None before two such LRs)."""
+    lrs = both_arms(rows)
+    if len(lrs) < 2:
+        return None
+    by = {(r["lr"], r["qk_norm"]): r for r in rows}
+    return {qk: [lr_sensitivity({lr: by[lr, qk]["final"][i] for lr in lrs},
+                                by[lrs[0], qk]["initial"][i])
+                 for i in range(len(by[lrs[0], qk]["seeds"]))] for qk in (False, True)}
+
+
+def sweep_markdown(record: dict) -> str:
+    rows = sweep_rows(record)
+    if not rows:
+        return "no LR of the sweep run yet"
+
+    def mean_sd(x):
+        x = np.asarray(x)
+        return (f"{np.mean(x):.3f} ± {np.std(x, ddof=1):.3f}" if np.all(np.isfinite(x))
+                else f"non-finite in {int(np.sum(~np.isfinite(x)))} of {len(x)} seeds")
+    lines = ["| LR | QK-Norm | held-out at the end (nats/byte) | spikes per seed | level shifts | "
+             "max attn logit |", "|---" * 6 + "|"]
+    for r in rows:
+        lines.append(f"| {r['lr']:g} | {'yes' if r['qk_norm'] else 'no'} | "
+                     f"{mean_sd(r['final'])} | {', '.join(map(str, r['spikes']))} | "
+                     f"{', '.join(map(str, r['shifts']))} | {min(r['max_logit']):,.0f}–"
+                     f"{max(r['max_logit']):,.0f} |")
+    sens = sensitivity(rows)
+    if sens:
+        lrs = sorted({r["lr"] for r in rows})
+        done = both_arms(rows)
+        lines.append(
+            f"\nLR sensitivity (Wortsman et al.: the mean over the LRs of min(final, initial "
+            f"loss) minus the best final loss; a non-finite run counts at the initial loss) over "
+            f"the LRs {', '.join(f'{x:g}' for x in done)}"
+            + ("" if len(done) == len(SWEEP_LRS) else f" ({len(done)} of the {len(SWEEP_LRS)}"
+               f" LRs of the grid; {', '.join(f'{x:g}' for x in lrs if x not in done) or 'none'}"
+               " run in one arm only)")
+            + f", mean ± sd over seeds: **{np.mean(sens[False]):.3f} ± "
+            f"{np.std(sens[False], ddof=1):.3f}** without QK-Norm, **{np.mean(sens[True]):.3f} "
+            f"± {np.std(sens[True], ddof=1):.3f}** with it.")
+    return "\n".join(lines)
+
+
+def plot_sweep(record: dict, out: pathlib.Path) -> pathlib.Path:
+    """results/lr_sweep.png: held-out loss at the end against the LR, without and with
+    QK-Norm (mean over seeds, bars from the lowest to the highest seed); the max logit."""
+    plt = pyplot()
+    rows = sweep_rows(record)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for qk, color, label in ((False, "C0", "without QK-Norm"), (True, "C1", "with QK-Norm")):
+        arm = [r for r in rows if r["qk_norm"] == qk]
+        x = [r["lr"] for r in arm]
+        for ax, key in zip(axes, ("final", "max_logit")):
+            ys = [np.asarray(r[key], dtype=np.float64) for r in arm]
+            y = np.array([np.nanmean(v) if np.any(np.isfinite(v)) else np.nan for v in ys])
+            err = np.array([[m - np.nanmin(v), np.nanmax(v) - m] if np.isfinite(m)
+                            else [0, 0] for m, v in zip(y, ys)]).T.reshape(2, -1)
+            ax.errorbar(x, y, yerr=err, color=color, marker="o", capsize=3, label=label)
+    axes[0].set_ylabel("held-out loss at step 4,000 (nats/byte)")
+    axes[1].set_ylabel("max |attn logit| over the run")
+    axes[1].set_yscale("log")
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())  # the decades only
+        ax.set_xlabel("peak learning rate")
+        ax.grid(alpha=0.3)
+        ax.axvline(STORY.lrs[0], color="0.5", ls=":", label=f"the story's LR, {STORY.lrs[0]:g}")
+    axes[0].legend(fontsize=8)
+    axes[0].set_title("the story regime's LR sweep (3 seeds; bars: lowest to highest seed)",
+                      fontsize=9)
+    return save_figure(fig, out / "lr_sweep.png", dpi=100)
+
+
+def plot_levers(record: dict, out: pathlib.Path) -> pathlib.Path:
+    """results/levers.png: per lever, each seed's train loss (EMA 20) beside the baseline's
+    (grey) and QK-Norm's (dashed); level shifts as crosses."""
+    plt = pyplot()
+    done = [g.name for g in LEVERS if g.name in record["groups"]]
+    cols = 3
+    fig, axes = plt.subplots(-(-len(done) // cols), cols, figsize=(12, 2.8 * -(-len(done) // cols)),
+                             squeeze=False, sharex=True, sharey=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, name in zip(axes.flat, done):
+        for group, style, color in ((STORY.name, "-", "0.6"), (STORY.name + "-qk", "--", "0.3")):
+            for y in np.load(search.CURVES / f"{group}.npz")["loss"]:
+                ax.plot(ema(y.astype(np.float64)), style, color=color, lw=0.7)
+        curves = np.load(search.CURVES / f"{name}.npz")["loss"]
+        for i, m in enumerate(record["groups"][name]["members"]):
+            y = ema(curves[i].astype(np.float64))
+            c = colors[m["seed"] % len(colors)]
+            ax.plot(y, color=c, lw=1.0, label=f"seed {m['seed']}")
+            ax.plot(m["shift_steps"], y[m["shift_steps"]], "x", color=c, ms=7)
+        ax.set_title(name.removeprefix("story-"), fontsize=9)
+        ax.set_ylim(1.4, 2.8)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(done):]:
+        ax.axis("off")
+    axes[0, 0].legend(fontsize=7)
+    fig.suptitle("each lever from scratch on the story regime (colour, one line per seed; "
+                 "crosses: level shifts)\nagainst the baseline (grey) and QK-Norm (dashed): "
+                 "train loss, EMA 20, nats/byte", fontsize=10)
+    return save_figure(fig, out / "levers.png", dpi=75)
+
+
+# ---------------------------------------------------------------------------------------------
+# The evidence: rates with intervals over seeds, from the stored curves only (report.py's rules)
+
+def seed_curve(group: str, seed: int) -> dict:
+    """A member's stored curve as report.py reads a run: per-step arrays indexed by "step"
+    (a fork's start at its fork step), and its evals."""
+    c = np.load(search.SEED_CURVES / group / f"seed{seed}.npz")
+    first = int(c["first_step"])
+    n = len(c["loss"])
+    return {"step": np.arange(first, first + n), "loss": c["loss"].astype(np.float64),
+            "update_norm": c["update_norm"].astype(np.float64),
+            "grad_norm": c["grad_norm"].astype(np.float64),
+            "attn_logit_max": c["attn_logit_max"], "eval_step": c["eval_step"],
+            "eval_loss": c["eval_loss"], "first_step": first}
+
+
+def judged(g: Group, seed: int, base: str, twin: str, curve: dict | None = None) -> dict:
+    """One member judged by the episode rules: its curve (a fork's spliced onto its source's),
+    S1 (the baseline's last eval within 0.05 of the twin's), the episodes from S1 (a fork's
+    from its fork step) with the twin's hard-batch control, each shift's recovery. `curve`:
+    judge this curve instead of the stored one (a rerun)."""
+    m = curve or seed_curve(g.name, seed)
+    first = m["first_step"]
+    if first:
+        m = spliced(seed_curve(g.fork, seed), m, first) | {
+            "eval_step": m["eval_step"], "eval_loss": m["eval_loss"]}
+    b, t = seed_curve(base, seed), seed_curve(twin, seed)
+    s1 = int(first_match(list(b["eval_loss"]), list(t["eval_loss"]), list(b["eval_step"])) or 0)
+    after = max(s1, first)
+    spikes = [e for e in find_spikes(m) if e.step >= after]
+    shifts = [e for e in find_shifts(m) if e.step >= after]
+    eps = episodes([e.step for e in spikes], [e.step for e in shifts])
+    if g.name != twin:
+        twin_shifts = [e.step for e in find_shifts(t)]
+        eps = mark_hard_batches(eps, t["loss"], twin_shifts)
+    steps = len(m["loss"]) - after
+    rec = [recovery(m["loss"], e.step, e.pre_level) for e in shifts]
+    return {"seed": seed, "s1": s1, "from": after, "steps": steps, "episodes": eps,
+            "recoveries": rec, "old_spikes": len(spikes), "old_shifts": len(shifts),
+            "old_never": sum(e.recovered_after is None for e in shifts),
+            "eval": float(m["eval_loss"][-1]),
+            "max_logit": float(np.nanmax(m["attn_logit_max"][after:]))}
+
+
+def evidence_rows(record: dict, base: str = "story8", twin: str = "story8-qk") -> list[dict]:
+    """Per evidence group run so far: per seed judged(); the rates per 1,000 steps, the share of
+    seeds with a shift not back by the end, held-out and max logit, each with its mean and
+    bootstrap 95% interval over seeds."""
+    if base not in record["groups"] or twin not in record["groups"]:
+        return []
+    rows = []
+    for g in EVIDENCE_GROUPS:
+        if g.name not in record["groups"]:
+            continue
+        seeds = sorted(m["seed"] for m in record["groups"][g.name]["members"])
+        per = [judged(g, s, base, twin) for s in seeds]
+        k = 1000 / np.array([p["steps"] for p in per])
+        stats = {
+            "level_shift_episodes": k * [sum(e.level_shift for e in p["episodes"]) for p in per],
+            "episodes": k * [len(p["episodes"]) for p in per],
+            "instability_episodes": k * [sum(not e.hard_batch for e in p["episodes"])
+                                         for p in per],
+            "with_shift": [float(any(e.level_shift for e in p["episodes"])) for p in per],
+            "hard_batches": [sum(bool(e.hard_batch) for e in p["episodes"]) for p in per],
+            "unrecovered": [float(any(not ok for _, ok in p["recoveries"])) for p in per],
+            "eval": [p["eval"] for p in per],
+            "max_logit": [p["max_logit"] for p in per],
+            "old_spikes": [p["old_spikes"] for p in per],
+            "old_shifts": [p["old_shifts"] for p in per],
+            "old_never": [p["old_never"] for p in per]}
+        members = sorted(record["groups"][g.name]["members"], key=lambda m: m["seed"])
+        guarded = {k: [m[k] for m in members] for k in ("guard_actions", "recomputed_steps",
+                                                          "escalated_at") if k in members[0]}
+        guarded |= {"run_steps": g.steps} if guarded else {}
+        rows.append({"group": g.name, "seeds": seeds, "per_seed": per, "guard": guarded,
+                     "cpu": record["groups"][g.name].get("machine", {}).get("cpu", "?"),
+                     **{key: {"values": [float(x) for x in v], "mean": float(np.mean(v)),
+                              "ci": bootstrap(v)} for key, v in stats.items()},
+                     "survival": survival([r for p in per for r in p["recoveries"]])})
+    return rows
+
+
+def evidence_markdown(rows: list[dict]) -> str:
+    """The evidence table (rates per 1,000 steps after S1, mean [95% bootstrap interval] over
+    seeds), the old rules' counts beside it, and each row's recovery survival table."""
+    if not rows:
+        return "the 8-seed baseline and its QK-Norm twin have not both run yet"
+
+    def cell(r, key, fmt="{:.2f}"):
+        lo, hi = r[key]["ci"]
+        return f"{fmt.format(r[key]['mean'])} [{fmt.format(lo)}, {fmt.format(hi)}]"
+    name = {"story8": "baseline", "story8-qk": "QK-Norm from scratch"}
+    lines = ["| run | seeds | seeds with a level-shift episode | level-shift episodes / 1k "
+             "steps | instability episodes / 1k steps (not a hard batch) | all episodes / 1k "
+             "steps (hard batches in all) | seeds with a shift not back at the end | held-out "
+             "(nats/byte) | max attn logit | old rules: spikes, shifts, \"never\" per seed |",
+             "|---" * 10 + "|"]
+    for r in rows:
+        twin = r["group"] == "story8-qk"
+        lines.append(
+            f"| {name.get(r['group'], r['group'].removeprefix('story8-'))} | {len(r['seeds'])} | "
+            f"{cell(r, 'with_shift', '{:.0%}')} | {cell(r, 'level_shift_episodes')} | "
+            f"{'(the twin)' if twin else cell(r, 'instability_episodes')} | "
+            f"{cell(r, 'episodes')} ({'—' if twin else int(sum(r['hard_batches']['values']))}) | "
+            f"{cell(r, 'unrecovered', '{:.0%}')} | "
+            f"{cell(r, 'eval', '{:.3f}')} | {cell(r, 'max_logit', '{:,.0f}')} | "
+            f"{np.mean(r['old_spikes']['values']):.1f}, {np.mean(r['old_shifts']['values']):.1f}, "
+            f"{np.mean(r['old_never']['values']):.1f} |")
+    lines.append("\nRecovery of the level shifts (back within max(0.05 nats, the smoothed loss's "
+                 "noise) of the level before; a shift whose run ended first is censored), share "
+                 "not back after k steps (at risk):\n")
+    lines += ["| run | " + " | ".join(f"k = {x['k']}" for x in rows[0]["survival"]) + " |",
+              "|---" * (1 + len(rows[0]["survival"])) + "|"]
+    for r in rows:
+        lines.append(f"| {name.get(r['group'], r['group'].removeprefix('story8-'))} | "
+                     + " | ".join("—" if not x["at_risk"] else
+                                  f"{x['share_not_back']:.0%} ({x['at_risk']})"
+                                  for x in r["survival"]) + " |")
+    for r in rows:
+        if r.get("guard"):
+            gd = r["guard"]
+            share = [x / gd["run_steps"] for x in gd["recomputed_steps"]]
+            at = [s for s in gd["escalated_at"] if s >= 0]
+            lines.append(
+                f"\n{name.get(r['group'], r['group'].removeprefix('story8-'))}: "
+                f"{np.mean(gd['guard_actions']):.1f} guard actions per seed "
+                f"({min(gd['guard_actions'])}-{max(gd['guard_actions'])}), steps computed again "
+                f"{min(share):.1%}-{max(share):.1%} of the run's (mean {np.mean(share):.1%}); "
+                f"escalated to QK-Norm in {len(at)} of {len(gd['escalated_at'])} seeds"
+                + (f" (from steps {', '.join(f'{s:,}' for s in sorted(at))})" if at else "")
+                + ".")
+    cpus = sorted({r["cpu"] for r in rows})
+    lines.append(f"\nRan on: {'; '.join(cpus)}. Intervals: 95% percentile bootstrap over seeds "
+                 "(10,000 resamples, fixed RNG). A difference is called only where two "
+                 "intervals do not overlap.")
+    return "\n".join(lines)
+
+
+def plot_evidence(rows: list[dict], out: pathlib.Path) -> pathlib.Path:
+    """results/evidence.png: per seed, the baseline's train loss (raw, faint; EMA 20, bold)
+    against its QK-Norm twin's and, where it ran, QK-Norm inserted mid-run (from its step);
+    the baseline's episodes after S1 marked: level shifts (x), one-step spikes (o), hard
+    batches (open o: the twin jumped there too)."""
+    plt = pyplot()
+    by = {r["group"]: r for r in rows}
+    base = by["story8"]
+    n = len(base["seeds"])
+    cols = 4
+    fig, axes = plt.subplots(-(-n // cols), cols, figsize=(14, 3.0 * -(-n // cols)),
+                             squeeze=False, sharey=True)
+    for ax, p in zip(axes.flat, base["per_seed"]):
+        seed = p["seed"]
+        b = seed_curve("story8", seed)
+        ax.plot(b["step"], b["loss"], color="C0", lw=0.3, alpha=0.35)
+        ax.plot(b["step"], ema(b["loss"]), color="C0", lw=1.1, label="baseline")
+        t = seed_curve("story8-qk", seed)
+        ax.plot(t["step"], ema(t["loss"]), "--", color="0.25", lw=1.0, label="QK-Norm")
+        if "story8-qk-inserted" in by and seed in by["story8-qk-inserted"]["seeds"]:
+            f = seed_curve("story8-qk-inserted", seed)
+            ax.plot(f["step"], ema(f["loss"]), color="C2", lw=1.0,
+                    label=f"QK-Norm inserted at {f['first_step']}")
+        y = ema(b["loss"])
+        for e in p["episodes"]:
+            style = ("x", 8, "C3") if e.level_shift else ("o", 4, "C1")
+            ax.plot(e.start, y[e.start], style[0], ms=style[1], color=style[2],
+                    mfc="none" if e.hard_batch else style[2])
+        ax.axvline(p["s1"], color="0.6", lw=0.8, ls=":")
+        ax.set_title(f"seed {seed} (S1 {p['s1']})", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("train loss (nats/byte)")
+        ax.set_ylim(1.2, 2.8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, loc="upper right")
+    for ax in axes.flat[n:]:
+        ax.axis("off")
+    fig.suptitle(f"the story regime, {n} seeds: the baseline (blue; raw faint, EMA 20 bold) "
+                 "against its QK-Norm twin (dashed); S1 (dotted): the baseline's last held-out "
+                 "eval within 0.05 nats of the twin's;\nepisodes after S1: x level shift, "
+                 "o one-step spike, open o a hard batch (the twin jumped there too)", fontsize=10)
+    return save_figure(fig, out / "evidence.png", dpi=80)
+
+
+RERUN_KEYS = ("level_shift_episodes", "instability_episodes", "episodes", "unrecovered", "eval",
+              "max_logit")
+
+
+def rerun(name: str, seed: int, log=print) -> list[tuple[str, float, tuple, tuple, bool, bool]]:
+    """Train one stored member again (group `name`, `seed`; on this machine, alone in its
+    compiled step) and judge it by the same rules: per figure (value, the row's 95% interval of
+    the mean, the seeds' range, inside the interval, inside the range)."""
+    g = next((x for x in EVIDENCE_GROUPS if x.name == name), None)
+    record = load()
+    if g is None or name not in record["groups"]:
+        raise UserError(f"--rerun {name}: not an evidence row that has run; python experiments.py "
+                        "--list")
+    if g.fork:
+        raise UserError(f"--rerun {name}: a mid-run row starts from its source's kept state; "
+                        f"rerun {g.fork} instead")
+    if seed not in g.seeds:
+        raise UserError(f"--rerun {name} --seed {seed}: the row's seeds are {list(g.seeds)}")
+    a = train_members(g.config(), (seed,), log=log)
+    n = len(a["loss"][0])
+    curve = {"step": np.arange(n), "loss": a["loss"][0].astype(np.float64),
+             "update_norm": a["update_norm"][0].astype(np.float64),
+             "attn_logit_max": a["attn_logit_max"][0], "eval_step": a["eval_step"],
+             "eval_loss": a["eval_loss"][0], "first_step": 0}
+    p = judged(g, seed, "story8", "story8-qk", curve)
+    k = 1000 / p["steps"]
+    value = {"level_shift_episodes": k * sum(e.level_shift for e in p["episodes"]),
+             "instability_episodes": k * sum(not e.hard_batch for e in p["episodes"]),
+             "episodes": k * len(p["episodes"]),
+             "unrecovered": float(any(not ok for _, ok in p["recoveries"])),
+             "eval": p["eval"], "max_logit": p["max_logit"]}
+    row = next(r for r in evidence_rows(record) if r["group"] == name)
+    out = []
+    for key in RERUN_KEYS:
+        lo, hi = row[key]["ci"]
+        vals = row[key]["values"]
+        out.append((key, value[key], (lo, hi), (min(vals), max(vals)), lo <= value[key] <= hi,
+                    min(vals) <= value[key] <= max(vals)))
+    return out
+
+
 def write_results(seeds: list[int]) -> None:
     rows, metrics = collect(seeds)
     if not rows:
@@ -523,41 +1029,85 @@ def write_results(seeds: list[int]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Args:
-    names: tyro.conf.Positional[tuple[str, ...]] = ()  # experiments to run (default: all)
-    seeds: str = "0,1,2"  # every experiment runs once per seed
-    jobs: int = 2  # runs side by side
-    list: bool = False  # print the command of every run and stop
+    names: tyro.conf.Positional[tuple[str, ...]] = ()  # rows to run (default: the train.py rows)
+    seeds: str = "0,1,2"  # every train.py row runs once per seed (a harness row has its own)
+    jobs: int = 2  # train.py runs side by side
+    list: bool = False  # every row: its command(s), or whether the harness row has run
     runs_only: bool = False  # make the runs, not the results
     results_only: bool = False  # tables and figures from the runs already made
+    levers: bool = False  # the levers from scratch (harness rows), their table
+    sweep: bool = False  # the LR sweep and its LR sensitivity
+    evidence: bool = False  # the 8-seed rates with intervals
+    plot: bool = False  # with --levers, --sweep or --evidence: figures, and the table into
+    # results/README.md
+    rerun: str = ""  # train one stored member of this evidence row again (with --seed)
+    seed: int = 0  # the seed --rerun trains again
+
+
+def harness_tables(args: Args) -> None:
+    """--levers, --sweep, --evidence (with --plot: figures and results/README.md), --rerun."""
+    record = load()
+    if args.rerun:
+        print(f"rerunning {args.rerun} seed {args.seed} on {machine()['cpu']} (the row ran on "
+              f"{record['groups'].get(args.rerun, {}).get('machine', {}).get('cpu', '?')})")
+        for key, v, ci, span, in_ci, in_span in rerun(args.rerun, args.seed):
+            print(f"  {key:<22} {v:10.3f}   row mean's 95% interval [{ci[0]:.3f}, {ci[1]:.3f}]"
+                  f" {'inside' if in_ci else 'OUTSIDE'}; seeds' range [{span[0]:.3f}, "
+                  f"{span[1]:.3f}] {'inside' if in_span else 'OUTSIDE'}")
+        return
+    for flag, text, part, figure in (
+            (args.levers, levers_markdown, "levers", plot_levers),
+            (args.sweep, sweep_markdown, "lr-sweep", plot_sweep),
+            (args.evidence, lambda r: evidence_markdown(evidence_rows(r)), "evidence",
+             lambda r, out: plot_evidence(evidence_rows(r), out))):
+        if not flag:
+            continue
+        print(table := text(record))
+        if args.plot:
+            print(f"wrote {figure(record, RESULTS)}")
+            update_readme(table, part=part)
+            print(f"wrote the table in {RESULTS}/README.md")
 
 
 @command
 def main(argv: list[str]) -> int:
     args = parse(Args, argv, description=__doc__)
+    if args.levers or args.sweep or args.evidence or args.rerun:
+        harness_tables(args)
+        return 0
     names = list(args.names)
-    unknown = [n for n in names if n not in NAMES]
+    unknown = [n for n in names if n not in NAMES and n not in HARNESS_ROWS]
     if unknown:
-        raise UserError(f"unknown experiment {unknown[0]!r}: choose from {', '.join(NAMES)}")
+        raise UserError(f"unknown row {unknown[0]!r}: train.py rows {', '.join(NAMES)}; "
+                        f"harness rows: python experiments.py --list")
+    harness = [HARNESS_ROWS[n] for n in names if n in HARNESS_ROWS]
+    names = [n for n in names if n in BY_NAME]
     try:
         seeds = [int(x) for x in args.seeds.split(",")]
     except ValueError:
         raise UserError(f"--seeds takes integers like 0,1,2, got {args.seeds!r}") from None
     if args.jobs < 1:
         raise UserError("--jobs must be at least 1")
-    chosen = names or NAMES
+    chosen = names or ([] if harness else NAMES)
     if args.list:
+        done = load()["groups"]
         for name in chosen:
             for seed in seeds:
                 cmd = (command_for(name, seed) if BY_NAME[name].start == "train" else None)
                 print(f"{run_dir(name, seed).name:<26} python {' '.join(cmd[1:])}" if cmd else
                       f"{run_dir(name, seed).name:<26} (decided once its source run is done)")
+        for g in harness or HARNESS_ROWS.values():
+            print(f"{g.name:<26} (harness, seeds {','.join(map(str, g.seeds))}) "
+                  f"{'done' if g.name in done else 'to run'}")
         return 0
+    if harness:  # search.py's harness; results/search.json and results/curves/ as each ends
+        search.run(harness)
     codes = {}
-    if not args.results_only:
+    if chosen and not args.results_only:
         t = time.perf_counter()
         codes = run_all(chosen, seeds, args.jobs)
         print(f"runs done in {(time.perf_counter() - t) / 60:.1f} min", flush=True)
-    if args.runs_only:
+    if args.runs_only or not chosen:
         return 0
     write_results(seeds)
     failed = {n: c for n, c in codes.items() if c not in (0, 1)}  # 1: stopped, non-finite

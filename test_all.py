@@ -2880,10 +2880,10 @@ def test_a_rescue_catches_up_at_the_first_eval_within_005_of_qk_norm_at_that_ste
 
 def test_lr_sensitivity_recovery_and_the_spread_rule():
     import experiments as E
-    import search as SE
+    import experiments as EX
     finals = {"1e-3": 2.5, "1e-2": 2.0, "3e-2": 2.2, "1e-1": 6.0, "3e-1": np.nan}
     # 1e-1 ends above the initial loss and 3e-1 diverged: both count at the initial 5.5
-    assert SE.lr_sensitivity(finals, 5.5) == pytest.approx(np.mean([2.5, 2.0, 2.2, 5.5, 5.5])
+    assert EX.lr_sensitivity(finals, 5.5) == pytest.approx(np.mean([2.5, 2.0, 2.2, 5.5, 5.5])
                                                            - 2.0)
     spiky = {"step": np.arange(300.0), "loss": np.full(300, 2.0)}
     rescue = {"step": np.arange(150.0, 300.0), "loss": np.r_[np.full(30, 2.5), np.full(120, 1.9)]}
@@ -2919,12 +2919,13 @@ def test_the_search_judges_s1_and_the_spikes_after_it_by_the_fixed_rules():
 
 
 def test_the_levers_count_events_after_the_baselines_s1_of_each_seed():
+    import experiments as EX
     import search as SE
 
     def member(seed, evals, spikes, shifts=()):
         return {"seed": seed, "eval_step": [250, 500, 750], "eval_loss": evals,
                 "spike_steps": spikes, "shift_steps": list(shifts), "max_attn_logit": 9.0}
-    lever = SE.LEVERS[1].name
+    lever = EX.LEVERS[1].name
     record = {"groups": {
         SE.STORY.name: {"members": [member(0, [2.0, 1.8, 1.9], [100, 600], [700]),
                                     member(1, [2.0, 1.9, 2.0], [600, 700])]},
@@ -2932,13 +2933,13 @@ def test_the_levers_count_events_after_the_baselines_s1_of_each_seed():
                                             member(1, [2.0, 1.7, 1.6], [600])]},
         lever: {"members": [member(0, [2.0, 1.8, 1.7], [100, 550]),
                             member(1, [2.0, 1.8, 1.7], [200])]}}}
-    rows = SE.lever_rows(record)
+    rows = EX.lever_rows(record)
     # S1: the baseline's last eval within 0.05 of QK-Norm's, per seed (500 and 250); every
     # row counts its events from the baseline's S1 of that seed
     assert [r["s1"] for r in rows] == [[500, 250]] * 3
     assert [(r["spikes"], r["shifts"]) for r in rows] == [([1, 2], [1, 0]), ([0, 1], [0, 0]),
                                                          ([1, 0], [0, 0])]
-    assert "| clip-0.2 | 1, 0 | 0, 0 | 1.700 ± 0.000 |" in SE.levers_markdown(record)
+    assert "| clip-0.2 | 1, 0 | 0, 0 | 1.700 ± 0.000 |" in EX.levers_markdown(record)
 
 
 def test_the_evidence_counts_episodes_by_the_fixed_rules_from_the_stored_curves(
@@ -2947,6 +2948,7 @@ def test_the_evidence_counts_episodes_by_the_fixed_rules_from_the_stored_curves(
     there too), a spike of the baseline's own at 700, a level shift at 800 that is not back at
     the end (censored), QK-Norm inserted at 750 into the baseline (spliced: its detectors see
     the baseline's steps before 750)."""
+    import experiments as EX
     import search as SE
     monkeypatch.setattr(SE, "SEED_CURVES", tmp_path)
     rng = np.random.default_rng(0)
@@ -2970,7 +2972,7 @@ def test_the_evidence_counts_episodes_by_the_fixed_rules_from_the_stored_curves(
         write("story8-qk-inserted", seed, twin[750:].copy(), first=750)
     record = {"groups": {g: {"members": [{"seed": s} for s in (0, 1, 2)]}
                          for g in ("story8", "story8-qk", "story8-qk-inserted")}}
-    rows = {r["group"]: r for r in SE.evidence_rows(record)}
+    rows = {r["group"]: r for r in EX.evidence_rows(record)}
     base = rows["story8"]
     assert [(e.start, e.level_shift, e.hard_batch) for e in base["per_seed"][0]["episodes"]] \
         == [(520, False, True), (700, False, False), (800, True, False)]
@@ -2984,7 +2986,7 @@ def test_the_evidence_counts_episodes_by_the_fixed_rules_from_the_stored_curves(
     assert [p["from"] for p in inserted["per_seed"]] == [750] * 3
     assert inserted["episodes"]["mean"] == 0.0  # the twin's steps, spliced: no event
     assert "| baseline | 3 | 100% [100%, 100%] | 2.00 [2.00, 2.00] | 4.00 [4.00, 4.00] | 6.00 " \
-        "[6.00, 6.00] (3) |" in SE.evidence_markdown(list(rows.values()))
+        "[6.00, 6.00] (3) |" in EX.evidence_markdown(list(rows.values()))
 
 
 def test_a_fork_starts_at_the_boundary_after_the_first_event_and_needs_room(tmp_path,
@@ -2992,6 +2994,7 @@ def test_a_fork_starts_at_the_boundary_after_the_first_event_and_needs_room(tmp_
     """QK-Norm inserted mid-run starts at the first 250-step boundary after the source seed's
     first level shift, or else after its first spike past the warmup; a seed whose boundary is
     the run's end, or with no event, is left out."""
+    import experiments as EX
     import search as SE
     monkeypatch.setattr(SE, "SEED_CURVES", tmp_path)
     rng = np.random.default_rng(0)
@@ -3004,7 +3007,7 @@ def test_a_fork_starts_at_the_boundary_after_the_first_event_and_needs_room(tmp_
         if shift:
             loss[shift:] += 0.3
         np.savez(tmp_path / "story8" / f"seed{seed}.npz", loss=loss, update_norm=np.ones(4000))
-    fork = dataclasses.replace(SE.EVIDENCE_GROUPS[3], seeds=(0, 1, 2, 3, 4))
+    fork = dataclasses.replace(EX.EVIDENCE_GROUPS[3], seeds=(0, 1, 2, 3, 4))
     assert SE.fork_steps(fork) == {0: 2000, 1: 1750}  # 3,890: no room; none; 500: in warmup
 
 
@@ -3118,12 +3121,13 @@ def test_a_replace_run_resumes_at_the_last_checkpoint_before_the_replaced_batche
 
 
 def test_the_lr_sweep_reads_final_losses_and_lr_sensitivity_per_seed(tmp_path, monkeypatch):
+    import experiments as EX
     import search as SE
     monkeypatch.setattr(SE, "CURVES", tmp_path)
     record = {"groups": {}}
     finals = {(1e-1, False): [2.0, 2.2, 2.1], (1e-1, True): [1.7, 1.8, 1.75],
               (3e-1, False): [9.0, np.nan, 2.6], (3e-1, True): [1.8, 1.9, 1.85]}
-    for g in SE.SWEEP:
+    for g in EX.SWEEP:
         key = (g.lrs[0], g.qk_norm)
         if key not in finals:
             continue
@@ -3132,14 +3136,14 @@ def test_the_lr_sweep_reads_final_losses_and_lr_sensitivity_per_seed(tmp_path, m
             {"seed": s, "eval_step": [4000], "eval_loss": [x], "finite": bool(np.isfinite(x)),
              "spike_steps": [1200] * s, "shift_steps": [], "max_attn_logit": 10.0 ** (s + 1)}
             for s, x in enumerate(finals[key])]}
-    rows = SE.sweep_rows(record)
+    rows = EX.sweep_rows(record)
     assert [(r["lr"], r["qk_norm"]) for r in rows] == sorted(finals)
-    sens = SE.sensitivity(rows)
+    sens = EX.sensitivity(rows)
     # seed 0 without QK-Norm: 9.0 ends above the initial 5.5, counted at 5.5; seed 1 diverged
     assert sens[False] == pytest.approx([(2.0 + 5.5) / 2 - 2.0, (2.2 + 5.5) / 2 - 2.2,
                                          (2.1 + 2.6) / 2 - 2.1])
     assert sens[True] == pytest.approx([0.05, 0.05, 0.05])
-    text = SE.sweep_markdown(record)
+    text = EX.sweep_markdown(record)
     assert "| 0.3 | no | non-finite in 1 of 3 seeds | 0, 1, 2 | 0, 0, 0 | 10–1,000 |" in text
     assert "| 0.1 | yes | 1.750 ± 0.050 |" in text and "2 of the 7 LRs" in text
 
