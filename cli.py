@@ -40,8 +40,17 @@ def one_line(tyro_message: str) -> str:
     lines = [line.strip(" │╭╮╰╯─") for line in tyro_message.splitlines()]
     lines = [line for line in lines if line and not line.startswith("For full helptext")]
     text = " ".join(" ".join(lines[1:] or lines).split())
-    return re.sub(r"Error parsing (--\S+|[\w.]+): ", lambda m: m[1] + ": " if m[1][0] == "-"
+    text = re.sub(r"Error parsing (--\S+|[\w.]+): ", lambda m: m[1] + ": " if m[1][0] == "-"
                   else "", text)
+    return as_flags(text)
+
+
+def as_flags(text: str) -> str:
+    """A config field named in a message ("optim.max_grad_norm") as the flag that sets it
+    ("--optim.max-grad-norm"): one style for every check of the flags."""
+    return re.sub(r"(?<![-\w./])(model|optim|data|mesh|dist|guard|wandb)\.([a-z][a-z0-9_]*)"
+                  r"(?![\w.])",
+                  lambda m: f"--{m[1]}.{m[2].replace('_', '-')}", text)
 
 
 def command(main):
