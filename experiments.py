@@ -7,6 +7,7 @@
     python experiments.py story8 story8-qk # harness rows: 8 seeds in one vmapped step (search.py)
     python experiments.py --evidence --plot  # the 8-seed rates with intervals, figure, README
     python experiments.py --rerun story8 --seed 3   # one stored member again: inside its row?
+    python experiments.py --widths         # best and break LR per width (Wortsman's proxy)
 
 These are the story's runs that need train.py itself: the baseline and everything started from
 its checkpoints (or from another run's), the guard, and the 32B's configuration with QK-Norm
@@ -184,7 +185,17 @@ EVIDENCE_GROUPS += [
                         compare_with="story8-qk")
     for name, optim in (("qk-clip-100", {"qk_clip": 100.0}), ("muon", {"optimizer": "muon"}),
                         ("muonclip-100", {"optimizer": "muon", "qk_clip": 100.0}))]
-HARNESS_ROWS = {g.name: g for g in (*LEVERS, *SWEEP, *EVIDENCE_GROUPS)}
+# Wortsman et al.'s small-scale proxy across widths (2309.14322, Fig. 1): does the break come
+# closer to the best LR as the model grows? d_model 32, 64, 128 at the story's depth, head_dim
+# 16 (the heads scale with the width, two query heads per KV head), the same data, tokens and
+# schedule; per width and arm one group over the LR grid (one compiled step per LR). Declared,
+# to be run: about 80 core-minutes per arm at d_model 32, several core-hours at 128.
+WIDTHS = (32, 64, 128)
+WIDTH_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
+WIDTH_ROWS = [g for d in WIDTHS for base in [dataclasses.replace(
+    STORY, name=f"width{d}", d_model=d, n_heads=d // 16, n_kv_heads=d // 32, lrs=WIDTH_LRS,
+    seeds=(0, 1, 2), compare_with=f"width{d}-qk")] for g in (base, twin(base))]
+HARNESS_ROWS = {g.name: g for g in (*LEVERS, *SWEEP, *EVIDENCE_GROUPS, *WIDTH_ROWS)}
 register(*HARNESS_ROWS.values())
 
 
@@ -721,6 +732,61 @@ def sweep_markdown(record: dict) -> str:
     return "\n".join(lines)
 
 
+def width_rows(record: dict) -> list[dict]:
+    """Per width and arm run so far: per LR the seeds' held-out loss at the end (NaN where the
+    run went non-finite) and whether each had a level shift (or went non-finite); the best LR
+    (the lowest mean held-out), whether the grid brackets it, the break LR (the lowest LR with a
+    level shift in at least half the seeds), their distance in decades, and Wortsman's LR
+    sensitivity per seed over the grid."""
+    rows = []
+    for g in WIDTH_ROWS:
+        if g.name not in record["groups"]:
+            continue
+        by_lr: dict = {}
+        for m in sorted(record["groups"][g.name]["members"], key=lambda m: m["seed"]):
+            by_lr.setdefault(m["lr"], []).append(m)
+        lrs = sorted(by_lr)
+        final = {lr: [m["eval_loss"][-1] if m["finite"] else math.nan for m in by_lr[lr]]
+                 for lr in lrs}
+        broke = {lr: [bool(m["shift_steps"]) or not m["finite"] for m in by_lr[lr]]
+                 for lr in lrs}
+        means = [np.mean(final[lr]) if np.all(np.isfinite(final[lr])) else math.inf
+                 for lr in lrs]
+        best = lrs[int(np.argmin(means))]
+        brk = next((lr for lr in lrs if np.mean(broke[lr]) >= 0.5), None)
+        seeds = [m["seed"] for m in by_lr[lrs[0]]]
+        initial = [float(np.load(search.SEED_CURVES / g.name / f"lr{lrs[0]:g}-seed{s}.npz")
+                         ["loss"][0]) for s in seeds]  # the first step's train loss
+        sens = [lr_sensitivity({lr: final[lr][i] for lr in lrs}, initial[i])
+                for i in range(len(seeds))]
+        rows.append({"width": g.d_model, "qk_norm": g.qk_norm, "lrs": lrs, "final": final,
+                     "broke": broke, "best_lr": best,
+                     "bracketed": lrs[0] < best < lrs[-1],
+                     "break_lr": brk, "decades": math.log10(brk / best) if brk else None,
+                     "sensitivity": sens,
+                     "max_logit": {lr: max(m["max_attn_logit"] for m in by_lr[lr])
+                                   for lr in lrs}})
+    return rows
+
+
+def widths_markdown(record: dict) -> str:
+    rows = width_rows(record)
+    if not rows:
+        return "no width of the proxy run yet (python experiments.py width32 width32-qk ...)"
+    lines = ["| d_model | QK-Norm | best LR | bracketed | break LR (level shifts in >= half "
+             "the seeds) | best to break, decades | LR sensitivity, mean [95% interval] |",
+             "|---" * 7 + "|"]
+    for r in rows:
+        lo, hi = bootstrap(r["sensitivity"])
+        lines.append(
+            f"| {r['width']} | {'yes' if r['qk_norm'] else 'no'} | {r['best_lr']:g} | "
+            f"{'yes' if r['bracketed'] else 'no: at the edge of the grid'} | "
+            f"{'none in the grid' if r['break_lr'] is None else format(r['break_lr'], 'g')} | "
+            f"{'—' if r['decades'] is None else format(r['decades'], '.1f')} | "
+            f"{np.mean(r['sensitivity']):.3f} [{lo:.3f}, {hi:.3f}] |")
+    return "\n".join(lines)
+
+
 def plot_sweep(record: dict, out: pathlib.Path) -> pathlib.Path:
     """results/lr_sweep.png: held-out loss at the end against the LR, without and with
     QK-Norm (mean over seeds, bars from the lowest to the highest seed); the max logit."""
@@ -1038,6 +1104,7 @@ class Args:
     levers: bool = False  # the levers from scratch (harness rows), their table
     sweep: bool = False  # the LR sweep and its LR sensitivity
     evidence: bool = False  # the 8-seed rates with intervals
+    widths: bool = False  # Wortsman's proxy across widths: best and break LR per width
     plot: bool = False  # with --levers, --sweep or --evidence: figures, and the table into
     # results/README.md
     rerun: str = ""  # train one stored member of this evidence row again (with --seed)
@@ -1059,12 +1126,14 @@ def harness_tables(args: Args) -> None:
             (args.levers, levers_markdown, "levers", plot_levers),
             (args.sweep, sweep_markdown, "lr-sweep", plot_sweep),
             (args.evidence, lambda r: evidence_markdown(evidence_rows(r)), "evidence",
-             lambda r, out: plot_evidence(evidence_rows(r), out))):
+             lambda r, out: plot_evidence(evidence_rows(r), out)),
+            (args.widths, widths_markdown, "widths", None)):
         if not flag:
             continue
         print(table := text(record))
         if args.plot:
-            print(f"wrote {figure(record, RESULTS)}")
+            if figure:
+                print(f"wrote {figure(record, RESULTS)}")
             update_readme(table, part=part)
             print(f"wrote the table in {RESULTS}/README.md")
 
@@ -1072,7 +1141,7 @@ def harness_tables(args: Args) -> None:
 @command
 def main(argv: list[str]) -> int:
     args = parse(Args, argv, description=__doc__)
-    if args.levers or args.sweep or args.evidence or args.rerun:
+    if args.levers or args.sweep or args.evidence or args.widths or args.rerun:
         harness_tables(args)
         return 0
     names = list(args.names)

@@ -3177,6 +3177,41 @@ def project_imports(name: str) -> tuple[set, set]:
     return top, inner
 
 
+def test_the_widths_table_finds_the_best_and_the_break_lr_per_width(tmp_path, monkeypatch):
+    """Planted width-32 members: the held-out loss is lowest at 1e-2 (inside the grid), the
+    level shifts come in 2 of 3 seeds from 1e-1 on (1 of 3 at 3e-2), so the break LR is 0.1, one
+    decade above the best; with QK-Norm nothing breaks and the best is the grid's edge."""
+    import experiments as EX
+    import search as SE
+    monkeypatch.setattr(SE, "SEED_CURVES", tmp_path)
+    grid = (1e-3, 1e-2, 3e-2, 1e-1, 1.0)
+    loss = {1e-3: 2.3, 1e-2: 1.9, 3e-2: 2.0, 1e-1: 2.4, 1.0: None}
+
+    def member(lr, seed, qk):
+        broke = not qk and (lr >= 1e-1 and seed < 2 or lr == 3e-2 and seed == 0)
+        final = 1.5 + lr if qk else loss[lr]
+        return {"lr": lr, "seed": seed, "finite": final is not None,
+                "eval_loss": [5.0, final if final is not None else float("nan")],
+                "shift_steps": [2000] if broke else [], "max_attn_logit": 10.0}
+    record = {"groups": {}}
+    for name, qk in (("width32", False), ("width32-qk", True)):
+        record["groups"][name] = {"members": [member(lr, s, qk) for lr in grid
+                                              for s in range(3)]}
+        (tmp_path / name).mkdir()
+        for s in range(3):
+            np.savez(tmp_path / name / f"lr0.001-seed{s}.npz", loss=np.array([5.5, 5.0]))
+    rows = {r["qk_norm"]: r for r in EX.width_rows(record)}
+    assert rows[False]["best_lr"] == 1e-2 and rows[False]["bracketed"]
+    assert rows[False]["break_lr"] == 1e-1 and rows[False]["decades"] == pytest.approx(1.0)
+    assert rows[True]["break_lr"] is None and not rows[True]["bracketed"]
+    # Wortsman's sensitivity, seed 0 without QK-Norm: min(final, 5.5) over the grid (the
+    # diverged LR at 5.5), mean minus the best
+    assert rows[False]["sensitivity"][0] == pytest.approx(np.mean([2.3, 1.9, 2.0, 2.4, 5.5]) - 1.9)
+    text = EX.widths_markdown(record)
+    assert "| 32 | no | 0.01 | yes | 0.1 | 1.0 |" in text
+    assert "| 32 | yes | 0.001 | no: at the edge of the grid | none in the grid | — |" in text
+
+
 def test_foresight_measures_a_planted_warning_and_its_absence():
     """foresight.py on planted series: the AUROC equals the pairwise count; a signal that rises
     100 steps before each planted episode is caught with a lead of 100 and its alarms are all
