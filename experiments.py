@@ -1105,8 +1105,7 @@ class Args:
     sweep: bool = False  # the LR sweep and its LR sensitivity
     evidence: bool = False  # the 8-seed rates with intervals
     widths: bool = False  # Wortsman's proxy across widths: best and break LR per width
-    plot: bool = False  # with --levers, --sweep or --evidence: figures, and the table into
-    # results/README.md
+    plot: bool = False  # with a table flag: its figure, and the table into results/README.md
     rerun: str = ""  # train one stored member of this evidence row again (with --seed)
     seed: int = 0  # the seed --rerun trains again
 
