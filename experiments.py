@@ -159,7 +159,6 @@ SWEEP_LRS = (1e-1, 3e-2, 3e-1, 1.0, 1e-2, 3e-3, 1e-3)
 SWEEP = [g for lr in SWEEP_LRS for base in [dataclasses.replace(STORY, name=f"story-lr{lr:g}",
                                                                 lrs=(lr,))]
          for g in (base, twin(base))]
-SWEEP_NAMES = {g.name for g in SWEEP}
 # The evidence: the story regime over 8 seeds (init and data order both drawn from the seed),
 # with train.py's own step (unrolled layers, the story preset's since then): the baseline
 # (keeping its state every 250 steps, where a warm start can begin), its QK-Norm twin, the 32B's
