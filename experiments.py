@@ -184,6 +184,12 @@ EVIDENCE_GROUPS += [
                         compare_with="story8-qk")
     for name, optim in (("qk-clip-100", {"qk_clip": 100.0}), ("muon", {"optimizer": "muon"}),
                         ("muonclip-100", {"optimizer": "muon", "qk_clip": 100.0}))]
+# The other levers alone, over the same seeds (queued after those).
+EVIDENCE_GROUPS += [dataclasses.replace(g, name=g.name.replace("story-", "story8-"),
+                                        seeds=EVIDENCE_SEEDS, compare_with="story8-qk")
+                    for g in LEVERS if g.name in ("story-clip-0.2", "story-skip-step",
+                                                  "story-update-clip-norm", "story-softcap-50",
+                                                  "story-zclip", "story-update-clip-rms")]
 # Wortsman et al.'s small-scale proxy across widths (2309.14322, Fig. 1): does the break come
 # closer to the best LR as the model grows? d_model 32, 64, 128 at the story's depth, head_dim
 # 16 (the heads scale with the width, two query heads per KV head), the same data, tokens and
