@@ -190,6 +190,18 @@ def strict_json(obj, indent: int | None = None) -> str:
 # ---------------------------------------------------------------------------------------------
 # Orbax checkpoints
 
+class Manager(ocp.CheckpointManager):
+    """orbax's manager, except that it never asks JAX's preemption sync point itself. The
+    sync point's protocol needs each process to pass it steps in increasing order (it agrees
+    on max(last step passed) + 1, and a process that already passed that step never stops);
+    orbax asks it at every save for the saved step and again, later, from its finalize thread,
+    which moves a process's last step back and can leave one process stopping at a step the
+    other has passed (a 2-process run that hangs). train.py asks it once per step, in order."""
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
+
+
 def checkpoint_manager(run_dir: pathlib.Path, keep: int = 3, read_only: bool = False
                        ) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(  # (read-only: what orbax would set, and warn of)
@@ -201,8 +213,8 @@ def checkpoint_manager(run_dir: pathlib.Path, keep: int = 3, read_only: bool = F
         registry.add("state", args, ocp.StandardCheckpointHandler())
     for args in (ocp.args.JsonSave, ocp.args.JsonRestore):
         registry.add("meta", args, ocp.JsonCheckpointHandler())
-    return ocp.CheckpointManager(run_dir.absolute() / "checkpoints", options=options,
-                                 handler_registry=registry)
+    return Manager(run_dir.absolute() / "checkpoints", options=options,
+                   handler_registry=registry)
 
 
 def saved_steps(run_dir: pathlib.Path) -> list[int]:

@@ -1224,6 +1224,24 @@ def test_checkpoint_from_4x2_restores_identically_on_2x1_and_1x1(tmp_path):
         assert restored["params"]["layers"]["wq"].sharding.mesh.devices.size == shape[0] * shape[1]
 
 
+def test_a_save_never_asks_the_preemption_sync_point(tmp_path, monkeypatch):
+    """Only train.py's loop may pass steps to JAX's preemption sync point, once per step and
+    in order: orbax's own queries (at save, and later from its finalize thread, with the saved
+    step) move a process's step back, and two processes then stop at different steps (a hang
+    seen in CI)."""
+    from jax.experimental import multihost_utils
+    asked = []
+    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point",
+                        lambda step: asked.append(step) or False)
+    cfg = tiny(tmp_path)
+    state, _, _ = init_sharded(cfg, mesh_of(1, 1))
+    mngr = C.checkpoint_manager(tmp_path / "run", cfg.keep_checkpoints)
+    for step in (3, 4):
+        C.save_checkpoint(mngr, step, state, dataclasses.asdict(cfg))
+    mngr.wait_until_finished()
+    assert C.saved_steps(tmp_path / "run") == [3, 4] and asked == []
+
+
 KILLER = '''
 import os, signal, sys
 import train
