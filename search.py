@@ -81,7 +81,9 @@ class Group:
     optim: tuple[tuple[str, object], ...] = ()  # a lever: OptimConfig fields, (name, value)
     model: tuple[tuple[str, object], ...] = ()  # ...or ModelConfig fields
     compare_with: str = ""  # the QK-Norm group S1 is taken against (default: NAME-qk)
-    fork: str = ""  # a mid-run arm: QK-Norm inserted into this group's runs (see fork_steps)
+    # A mid-run arm from this group's kept states (see fork_steps): QK-Norm inserted where the
+    # arm has it, else its settings (QK-Clip) switched on as a resume does.
+    fork: str = ""
     snapshot_every: int = 0  # keep the stacked train state every N steps (a fork's source)
     # The guard on (GuardConfig fields): its rollbacks are the loop's, so each seed is a
     # train.py run (train.train, one after the other, resumable), its metrics.jsonl the curve.
@@ -497,9 +499,11 @@ def member(stacked, i: int):
 
 
 def train_fork(g: Group, log=print) -> dict:
-    """QK-Norm inserted into each seed of g.fork at its fork step (train.py's in-process carry,
-    as the guard's escalation and warmstart.py do: every leaf kept, the new scales at 1 with
-    zero moments), a re-warmup from that step, then on to g.steps. Returns per-member arrays
+    """Each seed of g.fork from its fork step on with g's settings: QK-Norm inserted where g
+    has it (train.py's in-process carry, as the guard's escalation and warmstart.py do: every
+    leaf kept, the new scales at 1 with zero moments), else the state as kept, with QK-Clip
+    acting from the fork step as after `--resume RUN --optim.qk-clip T`; a re-warmup from
+    that step where g sets `rewarmup_steps`; then on to g.steps. Returns per-member arrays
     that start at the fork step (`first_step` per member)."""
     starts = fork_steps(g)
     src = REGISTRY[g.fork]
@@ -520,12 +524,15 @@ def train_fork(g: Group, log=print) -> dict:
     for at in sorted(set(starts.values())):
         seeds = tuple(s for s in g.seeds if starts.get(s) == at)
         cfg = g.config()
-        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, rewarmup_start=at))
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(
+            cfg.optim, rewarmup_start=at if "rewarmup_steps" in dict(g.optim) else -1,
+            qk_clip_start=at if cfg.optim.qk_clip > 0 else 0))
         tx = T.make_tx(cfg)
+        carry = functools.partial(insert_qk_norm, cfg, tx, mesh=mesh) \
+            if cfg.model.qk_norm and not src_cfg.model.qk_norm else (lambda state: state)
         with jax.set_mesh(mesh):
             stacked = load_snapshot(src.name, at, like)
-            members = [insert_qk_norm(cfg, tx, member(stacked, src.seeds.index(s)), mesh)
-                       for s in seeds]
+            members = [carry(member(stacked, src.seeds.index(s))) for s in seeds]
             state = jax.tree.map(lambda *xs: jnp.stack(xs), *members)
         log(f"{g.name}: seeds {', '.join(map(str, seeds))} from step {at}")
         parts[at] = (seeds, train_members(cfg, seeds, state=state,

@@ -3037,6 +3037,33 @@ def test_a_fork_starts_at_the_boundary_after_the_first_event_and_needs_room(tmp_
     assert SE.fork_steps(fork) == {0: 2000, 1: 1750}  # 3,890: no room; none; 500: in warmup
 
 
+def test_a_qk_clip_fork_switches_it_on_at_the_fork_step_as_a_resume_does(tmp_path,
+                                                                         monkeypatch):
+    """A fork without QK-Norm carries the kept state as it is and acts with QK-Clip from the
+    fork step on: its steps are those of one run with `qk_clip_start` at that step, whose steps
+    before it are the source's (each to float32 rounding: the compiled programs differ)."""
+    import search as SE
+    monkeypatch.setattr(SE, "SNAPSHOTS", tmp_path)
+    src = SE.Group("src", d_model=32, n_layers=1, steps=30, warmup_steps=5, lrs=(1e-2,),
+                   seeds=(0, 1), batch_size=8, seq_len=32, snapshot_every=15)
+    fork = dataclasses.replace(src, name="fork", fork="src", snapshot_every=0,
+                               optim=(("qk_clip", 0.5),))  # below every head's max: it acts
+    monkeypatch.setitem(SE.REGISTRY, "src", src)
+    monkeypatch.setattr(SE, "fork_steps", lambda g: {0: 15, 1: 15})
+    quiet = dict(eval_every=15, log=lambda s: None)
+    a = SE.train_members(src.config(), src.seeds, snapshot_at=(15,),
+                         snapshot=functools.partial(SE.save_snapshot, "src"), **quiet)
+    seeds, f = SE.train_fork(fork, log=lambda s: None)["parts"][15]
+    cfg = fork.config()
+    one = SE.train_members(dataclasses.replace(cfg, optim=dataclasses.replace(
+        cfg.optim, qk_clip_start=15)), src.seeds, **quiet)
+    assert seeds == (0, 1) and int(f["first_step"]) == 15 and f["loss"].shape == (2, 15)
+    np.testing.assert_allclose(one["loss"][:, :15], a["loss"][:, :15], rtol=1e-6)
+    np.testing.assert_allclose(f["loss"], one["loss"][:, 15:], rtol=1e-5)
+    assert (f["qk_clip_heads"].sum(axis=1) > 0).all()  # it clipped heads after the fork
+    assert not np.allclose(f["loss"][:, 1:], a["loss"][:, 16:], rtol=1e-3)  # and it mattered
+
+
 @pytest.mark.slow
 def test_a_search_member_is_the_train_py_run_of_its_lr_and_seed(tmp_path):
     """search.py vmaps train.py's own step over seeds (one compiled step per LR): for 120 steps
