@@ -952,7 +952,8 @@ def evidence_markdown(rows: list[dict]) -> str:
     def cell(r, key, fmt="{:.2f}"):
         lo, hi = r[key]["ci"]
         return f"{fmt.format(r[key]['mean'])} [{fmt.format(lo)}, {fmt.format(hi)}]"
-    name = {"story8": "baseline", "story8-qk": "QK-Norm from scratch"}
+    name = {"story8": "baseline", "story8-qk": "QK-Norm from scratch",
+            "story8-rerun": "baseline again (final code)"}
     lines = ["| run | seeds | seeds with a level-shift episode | level-shift episodes / 1k "
              "steps | instability episodes / 1k steps (not a hard batch) | all episodes / 1k "
              "steps (hard batches in all) | seeds with a shift not back at the end | held-out "
