@@ -66,6 +66,15 @@ class GuardConfig:
     qk_clip: float = 100.0  # QK-Clip's threshold where `escalate` is "qk-clip" (Kimi K2: 100)
     too_far: str = "stop"  # no kept checkpoint before the event: "stop", or "go-on" unguarded
     max_actions: int = 20  # stop after this many rollbacks (a guard that cannot help)
+    # A level shift in the data is not an instability (Marin's 32B cooldown: a poor shuffle
+    # raised the train loss for good while the held-out loss stayed flat): at a level shift the
+    # held-out loss now is set against the kept checkpoint's before the event; where it rose
+    # less than this fraction of the train loss's rise (0.5 is a choice), the shift is recorded
+    # as "data" and the run goes on (no rollback, no escalation; the watch starts again). Off
+    # by default (0): on the story's stored curves, the nearest evals around 15 real shifts
+    # would call 4 of them "data" at 0.5 (a proxy: evals every 250 steps; not yet measured in
+    # the loop).
+    data_fraction: float = 0.0
 
     def __post_init__(self):
         if self.escalate not in ESCALATIONS:
@@ -80,6 +89,8 @@ class GuardConfig:
                                  f"{getattr(self, name)}")
         if not 0 < self.qk_clip < math.inf:
             raise ValueError(f"--guard.qk-clip must be positive, got {self.qk_clip}")
+        if not 0 <= self.data_fraction < math.inf:
+            raise ValueError(f"--guard.data-fraction must be >= 0, got {self.data_fraction}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +99,7 @@ class Trigger:
     event: int  # the event's first step
     step: int  # the step whose metrics fired it (a level shift is known `hold` steps late)
     loss: float
+    rise: float = math.nan  # a level shift's: the smoothed loss above the level before
 
 
 class Watch:
@@ -127,12 +139,18 @@ class Watch:
                 self.candidate = None
             elif step - start >= r.hold:
                 self.candidate = None
-                return Trigger("shift", start, step, loss)
+                return Trigger("shift", start, step, loss, float(smooth - pre))
             return None
         pre = float(np.nanmean(x[-r.window - 1:-1]))
         if smooth >= pre + r.rise:
             self.candidate = (step, pre)
         return None
+
+    def restart(self) -> None:
+        """Forget the losses seen (after a shift in the data: its level is the new normal)."""
+        self.history.clear()
+        self.recent.clear()
+        self.candidate = None
 
     @classmethod
     def replay(cls, cfg: GuardConfig, seen: dict[int, float], before: int,
@@ -212,6 +230,27 @@ def escalation_step(events: list[dict]) -> int:
     return max((e["rollback_to"] for e in acted(events) if e.get("escalation")), default=0)
 
 
+def watch_since(events: list[dict]) -> int:
+    """The first step whose loss the watch holds: after the escalation, and after the last
+    shift found in the data."""
+    return max([escalation_step(events)]
+               + [e["trigger_step"] + 1 for e in events if e["action"] == "data"])
+
+
+def in_the_data(cfg: GuardConfig, trigger: Trigger, held_before: float, held_now: float,
+                checked_at: int) -> dict | None:
+    """The "data" record of a level shift whose held-out loss (now, against the kept
+    checkpoint at `checked_at`, before the event) rose less than cfg.data_fraction of the
+    train loss's rise; None where it rose with it (an instability: plan() acts)."""
+    if trigger.rule != "shift" or not cfg.data_fraction or not math.isfinite(trigger.rise):
+        return None
+    if held_now - held_before >= cfg.data_fraction * trigger.rise:
+        return None
+    return {"rule": "shift", "event_step": trigger.event, "trigger_step": trigger.step,
+            "loss": trigger.loss, "action": "data", "rise": trigger.rise,
+            "held_out_before": held_before, "held_out_now": held_now, "checked_at": checked_at}
+
+
 def pending_insertion(events: list[dict], restored_at: int) -> bool:
     """Whether the checkpoint at `restored_at` predates an escalation to QK-Norm at its own
     step (the insertion is then repeated on it)."""
@@ -219,17 +258,22 @@ def pending_insertion(events: list[dict], restored_at: int) -> bool:
                for e in events)
 
 
+def kept_before(cfg: GuardConfig, trigger: Trigger, kept, events: list[dict]) -> list[int]:
+    """The kept checkpoint steps a rollback for `trigger` may go to, oldest first: at least
+    cfg.margin steps before the event, none before the escalation."""
+    return sorted(s for s in kept if escalation_step(events) <= s <= trigger.event - cfg.margin)
+
+
 def plan(cfg: GuardConfig, trigger: Trigger, kept: list[int], events: list[dict]) -> dict:
     """The action for `trigger`, given the kept checkpoint steps and the events so far: a dict
     that becomes the event's record ("action": "rollback", "escalate", "stop" or "go-on")."""
     e = {"rule": trigger.rule, "event_step": trigger.event, "trigger_step": trigger.step,
          "loss": None if not math.isfinite(trigger.loss) else trigger.loss}
-    floor = escalation_step(events)
+    floor, before = escalation_step(events), kept_before(cfg, trigger, kept, events)
     events = acted(events)
     escalated = any(x.get("escalation") for x in events)
     if len(events) >= cfg.max_actions:
         return e | {"action": "stop", "why": f"{cfg.max_actions} rollbacks already"}
-    before = [s for s in kept if floor <= s <= trigger.event - cfg.margin]
     if not before:
         return e | {"action": cfg.too_far, "why": f"no kept checkpoint in steps {floor}-"
                     f"{trigger.event - cfg.margin} (kept: {kept or 'none'}"

@@ -474,11 +474,13 @@ def event_problem(e) -> str | None:
         return isinstance(e.get(key), int) and not isinstance(e[key], bool) and e[key] >= low
     if not isinstance(e, dict):
         return "not a guard record (a JSON object)"
-    if e.get("action") not in ("rollback", "escalate", "stop", "go-on"):
+    if e.get("action") not in ("rollback", "escalate", "stop", "go-on", "data"):
         return f"unknown action {e.get('action')!r}"
     if not whole("event_step"):
         return "no event_step"
-    if e["action"] in ("stop", "go-on"):
+    if e["action"] == "data" and not whole("trigger_step"):
+        return "a data record needs its trigger_step"
+    if e["action"] in ("stop", "go-on", "data"):
         return None
     if not (whole("rollback_to") and whole("replaced_until", e.get("rollback_to", 0) + 1)
             and whole("extra_steps")):
@@ -505,6 +507,10 @@ def describe(e: dict) -> str:
     head = f"guard: {e['rule']} at step {e['event_step']} (seen at {e['trigger_step']})"
     if e["action"] in ("stop", "go-on"):
         return f"{head}: {e['action']} ({e['why']})"
+    if e["action"] == "data":
+        return (f"{head}: in the data (train loss +{e['rise']:.3f}, held-out "
+                f"{e['held_out_before']:.4f} at step {e['checked_at']} -> "
+                f"{e['held_out_now']:.4f}): no rollback")
     text = (f"{head}: rolled back to step {e['rollback_to']}, batches {e['rollback_to']}-"
             f"{e['replaced_until'] - 1} replaced")
     if e.get("escalation"):

@@ -44,6 +44,7 @@ from data import TokenData
 from distributed import MeshConfig, make_mesh
 from guard import GuardConfig
 from report import (
+    acted,
     ema,
     find_shifts,
     find_spikes,
@@ -253,7 +254,8 @@ def train_guarded(g: Group, log=print) -> dict:
     """A guarded group: each seed a train.py run in runs/search/GROUP/seedN (train.train, so a
     killed group resumes where it stopped, and a finished run is read, not trained again), its
     metrics.jsonl (the last record of each step: the path the guard kept) as the member's
-    arrays; `recomputed` counts the steps trained again after its rollbacks."""
+    arrays; `recomputed` counts the steps trained again after its rollbacks, `data_records`
+    the level shifts the guard's data check let through."""
     per, t = [], time.perf_counter()
     for seed in g.seeds:
         base = g.config()
@@ -266,7 +268,9 @@ def train_guarded(g: Group, log=print) -> dict:
         per.append({k: v for k, v in m.items() if k not in (
             "step", "lr", "tokens_per_s", "eval_step", "eval_loss", "guard_events")} | {
             "eval_loss": m["eval_loss"], "recomputed": np.array(lines - len(m["step"])),
-            "guard_actions": np.array(len(m.get("guard_events", []))),
+            "guard_actions": np.array(len(acted(m.get("guard_events", [])))),
+            "data_records": np.array(sum(e["action"] == "data"
+                                         for e in m.get("guard_events", []))),
             "escalated_at": np.array(next((e["rollback_to"] for e in m.get("guard_events", [])
                                            if e.get("escalation")), -1))})
         per[-1]["eval_step"] = m["eval_step"] + 1  # logged at step N - 1: after N steps
@@ -311,8 +315,8 @@ def outcomes(g: Group, members: list[tuple[float, int, dict, int]]) -> list[dict
             "final_loss_100": float(np.nanmean(loss[-100:])),
             "finite": bool(np.all(np.isfinite(loss))),
         } | ({"guard_actions": int(a["guard_actions"][i]), "recomputed_steps":
-              int(a["recomputed"][i]), "escalated_at": int(a["escalated_at"][i])}
-             if "recomputed" in a else {}))
+              int(a["recomputed"][i]), "escalated_at": int(a["escalated_at"][i]),
+              "data_records": int(a["data_records"][i])} if "recomputed" in a else {}))
     return rows
 
 

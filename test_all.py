@@ -2178,6 +2178,57 @@ def test_the_guard_escalates_a_relapsing_shift_to_qk_norm_and_a_kill_changes_not
         T.train(runs["straight"], devices=jax.devices()[:1])
 
 
+def test_a_level_shift_in_the_data_is_recorded_as_data_and_the_run_goes_on(tmp_path, monkeypatch):
+    """A change of the data mixture (half of each batch random bytes, steps 150-449): the
+    train loss shifts up for good while the held-out loss barely moves, so the guard records
+    "data" once, rolls nothing back and escalates nothing; killed right after that record,
+    the same command ends bitwise where the straight run does. (The spike rule is off here:
+    the onset's jump is a one-step spike of its own.) The decision's arithmetic: a held-out
+    rise of at least data_fraction x the train loss's rise is an instability."""
+    batch = D.TokenData.batch
+    noise = np.random.default_rng(0).integers(0, 256, (600, 4, 33)).astype(np.int32)
+
+    def mixed(self, step, rows=slice(None)):
+        tokens = batch(self, step, rows).copy()
+        if 150 <= step < 450:
+            tokens[:4] = noise[step]
+        return tokens
+    monkeypatch.setattr(D.TokenData, "batch", mixed)
+    record = G.record
+    for name in ("straight", "killed"):
+        kills = [] if name == "killed" else [None]  # one kill, right after the record
+
+        def killing(run_dir, event, kills=kills):
+            record(run_dir, event)
+            if not kills:
+                kills.append(event)
+                raise Killed
+        monkeypatch.setattr(G, "record", killing)
+        cfg = tiny(tmp_path / name, steps=300, checkpoint_every=20, keep_checkpoints=20,
+                   eval_every=300, guard__on=True, guard__spikes=False,
+                   guard__data_fraction=0.5)
+        killed = False
+        try:
+            T.train(cfg, devices=jax.devices()[:1])
+        except Killed:
+            killed = True
+            T.train(cfg, devices=jax.devices()[:1])
+        assert killed == (name == "killed")
+    (e,) = R.read_events(tmp_path / "straight" / "run")
+    assert e["action"] == "data" and 150 <= e["event_step"] < 200 and e["rise"] > 0.5
+    assert e["held_out_now"] - e["held_out_before"] < 0.5 * e["rise"]
+    assert R.read_events(tmp_path / "killed" / "run") == [e]
+    assert_trees_equal(final_state(tiny(tmp_path / "killed", steps=300)),
+                       final_state(tiny(tmp_path / "straight", steps=300)))
+    m = R.read_metrics(tmp_path / "straight" / "run")
+    assert list(m["step"]) == list(range(300))  # nothing computed again
+    trig = G.Trigger("shift", 400, 450, 3.0, rise=0.4)
+    half = G.GuardConfig(data_fraction=0.5)
+    assert G.in_the_data(half, trig, 2.0, 2.19, 380)["action"] == "data"
+    assert G.in_the_data(half, trig, 2.0, 2.21, 380) is None  # moved with it
+    assert G.in_the_data(G.GuardConfig(), trig, 2.0, 2.0, 380) is None  # off by default
+
+
 def as_at_step(run: pathlib.Path, copy: pathlib.Path, step: int) -> None:
     """`copy`: `run` as a run killed right after saving `step` left it (its checkpoints up to
     `step`, its metrics before it, no guard record yet)."""

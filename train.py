@@ -8,10 +8,7 @@
 Running the same command again in the same --run-dir resumes from the latest checkpoint and
 continues exactly (bitwise, on CPU). Ctrl-C / SIGTERM saves a checkpoint before exiting; a
 second Ctrl-C stops at once. Every mistake in the flags, the data or the run directory is one
-line and exit status 2, before anything is written.
-
-NOTE for readers looking for `pjit`: in current JAX, `jax.jit` with shardings *is* pjit;
-`jax.experimental.pjit` is deprecated. The mesh uses explicit sharding (`AxisType.Explicit`).
+line and exit status 2, before anything is written. (`jax.jit` with shardings is pjit.)
 """
 
 import contextlib
@@ -91,7 +88,6 @@ def build_train_step(cfg: TrainConfig, tx):
     """The one train step, un-jitted: (state, tokens [B, T+1]) -> (new state, metrics). train.py
     jits it (make_train_step); search.py vmaps it over seeds and scans it over steps."""
     schedule = lr_schedule(cfg.optim, cfg.steps)
-
     clip = cfg.optim.qk_clip > 0  # QK-Clip reads each head's max logit on the batch
 
     def train_step(state, tokens_BT1):
@@ -184,19 +180,16 @@ class Log:
         if step % self.cfg.log_every == 0 or "eval_loss" in m:
             # rates over the steps since the last line (the first line's include the compile;
             # a rollback restarts the count): never a division by zero, never a negative ETA
-            done = max(step - self.shown[0], 1)
-            per_step = (now - self.shown[1]) / done
+            per_step = (now - self.shown[1]) / max(step - self.shown[0], 1)
             eta = fmt_time(per_step * max(self.cfg.steps - step - 1, 0)) if self.lines else "--"
-            self.lines += 1
-            rate = self.tokens_per_step / per_step
-            self.shown = (step, now)
+            self.lines, self.shown = self.lines + 1, (step, now)
             ev = f" | eval {m['eval_loss']:.4f}" if "eval_loss" in m else ""
-            seen = (step + 1) * self.tokens_per_step
             say(f"step {step:>6}/{self.cfg.steps} | loss {m['loss']:.4f}{ev} | "
                 f"grad {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
-                f"logit max {max(m['attn_logit_max']):.1f} | {seen / 1e6:.2f}M tok | "
-                f"{rate / 1e3:.1f}k tok/s | {fmt_time(now - self.t_start)} | ETA {eta}",
-                flush=True)
+                f"logit max {max(m['attn_logit_max']):.1f} | "
+                f"{(step + 1) * self.tokens_per_step / 1e6:.2f}M tok | "
+                f"{self.tokens_per_step / per_step / 1e3:.1f}k tok/s | "
+                f"{fmt_time(now - self.t_start)} | ETA {eta}", flush=True)
         finite = math.isfinite(m["loss"] + m["grad_norm"])
         self.nonfinite = 0 if finite else self.nonfinite + 1
         return m
@@ -220,14 +213,12 @@ def train(cfg: TrainConfig, devices=None) -> dict:
     run_dir = pathlib.Path(cfg.run_dir)
     check_run_dir(run_dir, cfg.resume_step)
     stored, steps = load_config(run_dir), saved_steps(run_dir)
-    if stored is not None:
-        taken = cfg.resume_step if cfg.resume_step is not None else (steps or [0])[-1]
-        cfg = resumed(stored, cfg, taken)
+    at = cfg.resume_step if cfg.resume_step is not None else (steps or [0])[-1]
+    cfg = resumed(stored, cfg, at) if stored is not None else cfg
     check_escalation(cfg)
     hf_params = load_hf(pathlib.Path(cfg.init_from_hf), cfg.model) if cfg.init_from_hf and \
         not steps else None
     user_cfg, events = cfg, read_events(run_dir) if steps else []
-    at = cfg.resume_step if cfg.resume_step is not None else (steps or [0])[-1]
     events, later = guard.split_at(events, at)  # (later: a --resume-step went back past them)
     cfg = effective(user_cfg, events, restored_at=at)  # the checkpoint's shape
     data = load_data(cfg)
@@ -261,24 +252,29 @@ def train(cfg: TrainConfig, devices=None) -> dict:
         return run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg, events)
 
 
-def guard_action(trigger, cfg, user_cfg, events: list, mngr, run_dir, mesh, log):
+def guard_action(trigger, cfg, user_cfg, events: list, mngr, run_dir, mesh, log, held_out):
     """The guard's answer to `trigger` (guard.py), appended to `events` (the run's record, as
     every process holds it): None to go on as before, or (cfg, tx, state) to go on with from
-    the rollback point. Exits on a "stop"."""
+    the rollback point. Exits on a "stop". `held_out(params)`: the held-out loss, which at a
+    level shift is set against the kept checkpoint's before the event (a shift in the data)."""
     mngr.wait_until_finished()
-    e = guard.plan(cfg.guard, trigger, sorted(mngr.all_steps()), events)
+    kept, e = guard.kept_before(cfg.guard, trigger, mngr.all_steps(), events), None
+    if trigger.rule == "shift" and cfg.guard.data_fraction and kept:
+        ref = restore_checkpoint(mngr, kept[-1], abstract_state(cfg.model, make_tx(cfg), mesh))
+        e = guard.in_the_data(cfg.guard, trigger, held_out(ref["params"]), held_out(None),
+                              kept[-1])
+    e = e or guard.plan(cfg.guard, trigger, sorted(mngr.all_steps()), events)
     say(describe(e))
     log.tracker.log({"guard/event_step": e["event_step"], "guard/rollback_to":
                      e.get("rollback_to", -1), "guard/escalated": int("escalation" in e)},
                     trigger.step)
-    if e["action"] in ("rollback", "escalate"):  # the bad path's checkpoints go first
-        for s in sorted(mngr.all_steps(), reverse=True):
-            if s > e["rollback_to"]:
-                mngr.delete(s)
+    for s in sorted(mngr.all_steps(), reverse=True):  # the bad path's checkpoints go first
+        if e["action"] in ("rollback", "escalate") and s > e["rollback_to"]:
+            mngr.delete(s)
     if jax.process_index() == 0:
         guard.record(run_dir, e)
     events.append(e)
-    if e["action"] == "go-on":
+    if e["action"] in ("go-on", "data"):
         return None
     if e["action"] == "stop":
         print(f"stopping: the guard's verdict at step {trigger.step}: {e['why']}. Last "
@@ -288,8 +284,7 @@ def guard_action(trigger, cfg, user_cfg, events: list, mngr, run_dir, mesh, log)
     r = e["rollback_to"]
     before = guard.effective_config(user_cfg, events, restored_at=r)
     state = restore_checkpoint(mngr, r, abstract_state(before.model, make_tx(before), mesh))
-    new = guard.effective_config(user_cfg, events)
-    tx = make_tx(new)
+    tx = make_tx(new := guard.effective_config(user_cfg, events))
     if guard.pending_insertion(events, r):
         state = insert_qk_norm(new, tx, state, mesh)
     return new, tx, state
@@ -323,8 +318,11 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None, events=()
         """The loop, to the end, a stop, or the guard's rollback: (the last step's metrics,
         None), or (_, (cfg, tx, state) to go on with from the guard's rollback point)."""
         step, prev, last = int(state["step"]), None, {}
-        watch = guard.Watch.replay(cfg.guard, seen, step, guard.escalation_step(events)) \
+        watch = guard.Watch.replay(cfg.guard, seen, step, guard.watch_since(events)) \
             if cfg.guard.on else None
+
+        def held_out(params):  # the held-out loss of params (None: the state's now)
+            return float(eval_step(state["params"] if params is None else params, eval_tokens))
 
         def record(step_metrics):  # log a step; with the guard on, the guard's answer to it
             last = log.record(*step_metrics)
@@ -333,8 +331,11 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None, events=()
             loss = last["loss"] if math.isfinite(last["grad_norm"]) else math.nan
             seen[last["step"]] = loss
             trigger = watch.observe(last["step"], loss)
-            return last, trigger and guard_action(trigger, cfg, user_cfg or cfg, events, mngr,
-                                                  run_dir, mesh, log)
+            acted = trigger and guard_action(trigger, cfg, user_cfg or cfg, events, mngr,
+                                             run_dir, mesh, log, held_out)
+            if trigger and events[-1]["action"] == "data":
+                watch.restart()  # the new level is the data's
+            return last, acted
 
         while step < cfg.steps:
             # batch and step: dispatched, not waited for
@@ -365,8 +366,7 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None, events=()
                     (last, acted), prev = record(prev), None
                     if acted:
                         return last, acted
-                    watch = guard.Watch.replay(cfg.guard, seen, done,
-                                               guard.escalation_step(events))
+                    watch = guard.Watch.replay(cfg.guard, seen, done, guard.watch_since(events))
                 checkpoint(done, cfg, state)
             if stopping:
                 break
