@@ -1038,10 +1038,10 @@ PLANTED_SHIFT_EVENTS = [
 
 @pytest.mark.slow
 def test_the_guard_on_two_processes_takes_the_decisions_of_one(tmp_path):
-    """One rollback and one escalation to QK-Norm on a 2-process loopback run (2 CPU devices
+    """One rollback and one escalation to QK-Norm on a 2-process loopback run (one CPU device
     each): the record one process writes (PLANTED_SHIFT_EVENTS, as the in-process test below
     finds), written by process 0 alone, and QK-Norm in the final checkpoint."""
-    flags = ["tiny", "--mesh.data", "4", "--steps", "180", "--checkpoint-every", "30",
+    flags = ["tiny", "--mesh.data", "2", "--steps", "180", "--checkpoint-every", "30",
              "--keep-checkpoints", "20", "--eval-every", "180", "--guard", "--guard.escalate",
              "qk-norm"]
     runner = tmp_path / "planted.py"
@@ -1051,7 +1051,7 @@ def test_the_guard_on_two_processes_takes_the_decisions_of_one(tmp_path):
                                str(tmp_path / "two"), "--dist.coordinator", f"127.0.0.1:{port}",
                                "--dist.num-processes", "2", "--dist.process-id", str(i)],
                               cwd=HERE, env={**os.environ, "PYTHONPATH": str(HERE),
-                                             "JAX_NUM_CPU_DEVICES": "2"},
+                                             "JAX_NUM_CPU_DEVICES": "1"},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
     try:
