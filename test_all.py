@@ -976,34 +976,6 @@ def test_fsdp_puts_an_eighth_of_the_state_on_each_of_8_devices(capsys):
     assert f"{arithmetic / 2**30:.3f} GiB per device" in capsys.readouterr().out
 
 
-@pytest.mark.slow
-def test_two_processes_on_loopback_match_one_process(tmp_path):
-    """2 processes x 2 CPU devices (gloo collectives) train tiny on a 4x1 mesh: the same losses
-    as 1 process with 4 devices; their checkpoint resumes in one process on a 2x1 mesh."""
-    run = tmp_path / "two"
-    procs = start_processes(["tiny", "--mesh.data", "4", "--steps", "6", "--checkpoint-every",
-                             "3", "--eval-every", "3", "--run-dir", str(run)])
-    try:
-        outs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    assert "done: step 6" in outs[0] and "step" not in outs[1].replace("[Gloo]", "")  # logs: 0
-    two = [json.loads(x) for x in (run / "metrics.jsonl").open()]
-    one = tiny(tmp_path / "one", mesh__data=4, steps=6, checkpoint_every=3, eval_every=3)
-    T.train(one, devices=jax.devices()[:4])
-    ref = [json.loads(x) for x in (tmp_path / "one" / "run" / "metrics.jsonl").open()]
-    np.testing.assert_allclose([m["loss"] for m in two], [m["loss"] for m in ref], rtol=1e-5)
-    # the 2-process checkpoint, resumed at step 3 by one process on a 2x1 mesh
-    again = dataclasses.replace(one, run_dir=str(run), mesh=CF.MeshConfig(2, 1), resume_step=3)
-    T.train(again, devices=jax.devices()[:2])
-    np.testing.assert_allclose(json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
-                               ["loss"], ref[-1]["loss"], rtol=1e-4)
-
-
-
-
 # A train.py run with a planted level shift from step SHIFT on (a model without QK-Norm pays 1
 # nat on every batch from there), for runs in other processes: python - SHIFT [train.py flags].
 PLANTED_SHIFT_RUNNER = """
@@ -1154,12 +1126,22 @@ def test_a_checkpoint_failure_on_one_process_stops_the_other_within_seconds(tmp_
 
 @pytest.mark.slow
 def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
+    """2 processes x 2 CPU devices (gloo collectives) train tiny on a 4x1 mesh: process 0
+    alone logs, and the losses are those of 1 process with 4 devices (the first 6 steps: their
+    LRs are a 6-step run's too); SIGTERM to process 1 stops both after the same step, their
+    checkpoint restores in one process on one device; --resume-step goes back on both."""
     run = tmp_path / "run"
     flags = ["tiny", "--mesh.data", "4", "--steps", "100000", "--log-every", "1",
              "--checkpoint-every", "2", "--keep-checkpoints", "100", "--run-dir", str(run)]
     outs = preempt_one_of_two(flags, 5)
     saved = int(outs[0].split("saved step ")[1].split()[0])
     assert saved >= 6 and C.saved_steps(run)[-1] == saved  # written by both processes
+    assert not [x for x in outs[1].splitlines() if x.startswith("step ")]  # logs: process 0
+    two = [json.loads(x) for x in (run / "metrics.jsonl").open()][:6]
+    one = tiny(tmp_path / "one", mesh__data=4, steps=6, checkpoint_every=3, eval_every=3)
+    T.train(one, devices=jax.devices()[:4])
+    ref = [json.loads(x) for x in (tmp_path / "one" / "run" / "metrics.jsonl").open()]
+    np.testing.assert_allclose([m["loss"] for m in two], [m["loss"] for m in ref], rtol=1e-5)
     cfg = dataclasses.replace(TINY, run_dir=str(run), mesh=CF.MeshConfig(4, 1), steps=100000,
                               log_every=1, checkpoint_every=2, keep_checkpoints=100)
     assert int(restore_final(cfg, saved)["step"]) == saved
@@ -2195,8 +2177,10 @@ def test_a_level_shift_in_the_data_is_recorded_as_data_and_the_run_goes_on(tmp_p
         return tokens
     monkeypatch.setattr(D.TokenData, "batch", mixed)
     record = G.record
-    for name in ("straight", "killed"):
+    for name in ("straight", "killed"):  # (killed: from the straight run's step 180)
         kills = [] if name == "killed" else [None]  # one kill, right after the record
+        if name == "killed":
+            as_at_step(tmp_path / "straight" / "run", tmp_path / name / "run", 180)
 
         def killing(run_dir, event, kills=kills):
             record(run_dir, event)
