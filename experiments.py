@@ -935,7 +935,8 @@ def evidence_rows(record: dict, base: str = "story8", twin: str = "story8-qk") -
             "old_never": [p["old_never"] for p in per]}
         members = sorted(record["groups"][g.name]["members"], key=lambda m: m["seed"])
         guarded = {k: [m[k] for m in members] for k in ("guard_actions", "recomputed_steps",
-                                                          "escalated_at") if k in members[0]}
+                                                          "escalated_at", "data_records")
+                   if k in members[0]}
         guarded |= {"run_steps": g.steps} if guarded else {}
         rows.append({"group": g.name, "seeds": seeds, "per_seed": per, "guard": guarded,
                      "cpu": record["groups"][g.name].get("machine", {}).get("cpu", "?"),
@@ -994,7 +995,9 @@ def evidence_markdown(rows: list[dict]) -> str:
                 f"{min(share):.1%}-{max(share):.1%} of the run's (mean {np.mean(share):.1%}); "
                 f"escalated to QK-Norm in {len(at)} of {len(gd['escalated_at'])} seeds"
                 + (f" (from steps {', '.join(f'{s:,}' for s in sorted(at))})" if at else "")
-                + ".")
+                + (f"; level shifts taken as the data's: {sum(gd['data_records'])} "
+                   f"({', '.join(map(str, gd['data_records']))} per seed)"
+                   if "data_records" in gd else "") + ".")
     cpus = sorted({r["cpu"] for r in rows})
     lines.append(f"\nRan on: {'; '.join(cpus)}. Intervals: 95% percentile bootstrap over seeds "
                  "(10,000 resamples, fixed RNG). A difference is called only where two "
