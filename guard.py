@@ -66,14 +66,9 @@ class GuardConfig:
     qk_clip: float = 100.0  # QK-Clip's threshold where `escalate` is "qk-clip" (Kimi K2: 100)
     too_far: str = "stop"  # no kept checkpoint before the event: "stop", or "go-on" unguarded
     max_actions: int = 20  # stop after this many rollbacks (a guard that cannot help)
-    # A level shift in the data is not an instability (Marin's 32B cooldown: a poor shuffle
-    # raised the train loss for good while the held-out loss stayed flat): at a level shift the
-    # held-out loss now is set against the kept checkpoint's before the event; where it rose
-    # less than this fraction of the train loss's rise (0.5 is a choice), the shift is recorded
-    # as "data" and the run goes on (no rollback, no escalation; the watch starts again). Off
-    # by default (0): on the story's stored curves, the nearest evals around 15 real shifts
-    # would call 4 of them "data" at 0.5 (a proxy: evals every 250 steps; not yet measured in
-    # the loop).
+    # At a level shift, a held-out rise below this fraction of the train loss's rise means the
+    # data shifted (Marin's cooldown shuffle): recorded as "data", no rollback (in_the_data).
+    # Off (0) by default: on the stored story curves, 0.5 would pass 4 of 15 real shifts.
     data_fraction: float = 0.0
 
     def __post_init__(self):
