@@ -432,7 +432,8 @@ def main():
     parser.add_argument("--harness", action="store_true",
                         help="the search harness per member-step (~10 minutes)")
     parser.add_argument("--harness-worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--against", help="with --harness: an older search.py to time too")
+    parser.add_argument("--against", metavar="CHECKOUT",
+                        help="with --harness: an older checkout whose harness to time too")
     args = parser.parse_args()
     if args.worker:
         return worker()
@@ -798,11 +799,30 @@ def harness_member_step(members: int, scan: bool) -> float:
     return statistics.median(s / n for n, s in a["chunk_seconds"][1:]) / members
 
 
+# An older search.py's train_group on its story group, run inside that checkout (its imports are
+# its own modules): 50 and 200 steps, the difference (150 steps) has no compile.
+OLDER_HARNESS = """
+import dataclasses, json, search
+g = search.STORY
+secs = [search.train_group(dataclasses.replace(g, steps=k), eval_every=k, log=lambda _: None)
+        ["seconds"] for k in (50, 200)]
+print(json.dumps((secs[1] - secs[0]) / (150 * len(g.seeds))))
+"""
+
+
+def older_harness_member_step(checkout: pathlib.Path) -> float:
+    if not (checkout / "search.py").is_file():
+        raise SystemExit(f"error: --against {checkout}: no search.py there")
+    out = subprocess.run([sys.executable, "-c", OLDER_HARNESS], cwd=checkout, check=True,
+                         stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def harness_main(args) -> int:
     """The harness per member-step, side by side in this run: 3, 8 and 16 members with the
     story preset's unrolled layers, 8 with scanned ones; two processes of 8 members, each
-    pinned to one core (their combined rate); and, with --against OLD_SEARCH_PY, an older
-    search.py's train_group (3 seeds, 50 vs 200 steps: the difference has no compile)."""
+    pinned to one core (their combined rate); and, with --against CHECKOUT, an older checkout's
+    harness (its own modules, in a process of its own)."""
     if args.harness_worker:
         print(json.dumps(harness_member_step(8, False)))
         return 0
@@ -823,14 +843,8 @@ def harness_main(args) -> int:
     each = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
     r["member_step_s"]["2 pinned processes x 8 members (combined)"] = 1 / sum(1 / x for x in each)
     if args.against:
-        import importlib.util
-        spec = importlib.util.spec_from_file_location("old_search", args.against)
-        old = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(old)
-        secs = [old.train_group(dataclasses.replace(old.STORY, steps=k), eval_every=k,
-                                log=lambda _: None)["seconds"] for k in (50, 200)]
-        r["member_step_s"][f"older harness ({args.against}, 3 seeds)"] = \
-            (secs[1] - secs[0]) / (150 * len(old.STORY.seeds))
+        r["member_step_s"][f"older harness ({args.against}, its story group)"] = \
+            older_harness_member_step(pathlib.Path(args.against))
     other = (cpu_busy_seconds() - busy) - (own_cpu_seconds() - own)
     r["other_processes_cpu_fraction"] = other / ((time.perf_counter() - wall) * os.cpu_count())
     print(f"\nthe search harness on the story preset, ms per member-step ({r['machine']['cpu']}):")

@@ -173,12 +173,15 @@ EVIDENCE_GROUPS = [
                         snapshot_every=0, compare_with="story8-qk",
                         optim=(("rewarmup_steps", 100), ("rewarmup_from_ratio", 0.1))),
 ]
-# The guard with escalation to QK-Norm (train.py's loop, one seed after the other); and with
-# the data check on (the story has no data shift: every "data" record is a shift let through).
-EVIDENCE_GROUPS += [dataclasses.replace(EVIDENCE, name=f"story8-guard-escalate{tag}",
+# The guard with escalation to QK-Norm (train.py's loop, one seed after the other); with the
+# data check on (the story has no data shift: every "data" record is a shift let through); and
+# acting before the break, when the max logit passes 100 at a checkpoint step (predict).
+EVIDENCE_GROUPS += [dataclasses.replace(EVIDENCE, name=f"story8-guard-{tag}",
                                         snapshot_every=0, compare_with="story8-qk",
                                         guard=(("escalate", "qk-norm"), *more))
-                    for tag, more in (("", ()), ("-data", (("data_fraction", 0.5),)))]
+                    for tag, more in (("escalate", ()),
+                                      ("escalate-data", (("data_fraction", 0.5),)),
+                                      ("predict", (("predict", "max-logit"),)))]
 # The references' tools over the same seeds (run after the four above): QK-Clip's signed max
 # and no-growth rule, Muon with the references' split, MuonClip (Muon + QK-Clip, as K2).
 EVIDENCE_GROUPS += [

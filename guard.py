@@ -48,6 +48,7 @@ from jax.experimental import multihost_utils
 from report import ShiftRule, SpikeRule, acted, read_metrics
 
 ESCALATIONS = ("none", "qk-norm", "qk-clip", "stop")
+PREDICTORS = ("none", "max-logit")
 SPIKE_RULE, SHIFT_RULE = SpikeRule(), ShiftRule()  # report.py's rules at their defaults
 SPAN = 200  # steps of loss history the watch is rebuilt from (> the rules' 120)
 
@@ -70,6 +71,12 @@ class GuardConfig:
     # data shifted (Marin's cooldown shuffle): recorded as "data", no rollback (in_the_data).
     # Off (0) by default: on the stored story curves, 0.5 would pass 4 of 15 real shifts.
     data_fraction: float = 0.0
+    # Act before the break (predict): at a checkpoint step, where the last step's largest
+    # attention logit exceeds `predict_above`, escalate in place, without a rollback. 100 is
+    # foresight.py's max-logit threshold on the evidence's seeds 0-3 (10^1.99), rounded; the
+    # QK-Norm runs stay near 50. "max-logit" or "none".
+    predict: str = "none"
+    predict_above: float = 100.0
 
     def __post_init__(self):
         if self.escalate not in ESCALATIONS:
@@ -86,15 +93,24 @@ class GuardConfig:
             raise ValueError(f"--guard.qk-clip must be positive, got {self.qk_clip}")
         if not 0 <= self.data_fraction < math.inf:
             raise ValueError(f"--guard.data-fraction must be >= 0, got {self.data_fraction}")
+        if self.predict not in PREDICTORS:
+            raise ValueError(f"--guard.predict must be one of {', '.join(PREDICTORS)}, got "
+                             f"{self.predict!r}")
+        if self.predict != "none" and not (self.on and self.escalate in ("qk-norm", "qk-clip")):
+            raise ValueError("--guard.predict acts by escalating: it needs --guard and "
+                             "--guard.escalate qk-norm or qk-clip")
+        if not 0 < self.predict_above < math.inf:
+            raise ValueError(f"--guard.predict-above must be positive, got {self.predict_above}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Trigger:
-    rule: str  # "spike", "shift" or "non-finite"
-    event: int  # the event's first step
+    rule: str  # "spike", "shift", "non-finite" or "predict"
+    event: int  # the event's first step (a prediction's: the checkpoint step it acts at)
     step: int  # the step whose metrics fired it (a level shift is known `hold` steps late)
     loss: float
     rise: float = math.nan  # a level shift's: the smoothed loss above the level before
+    max_logit: float = math.nan  # the largest attention logit at `step` (the record keeps it)
 
 
 class Watch:
@@ -183,7 +199,8 @@ def effective_config(cfg, events: list[dict], restored_at: int | None = None):
     windows = [cfg.data.replace_batches] if cfg.data.replace_batches else []
     model, optim = cfg.model, cfg.optim
     for e in acted(events):
-        windows.append(f"{e['rollback_to']}:{e['replaced_until']}")
+        if e["replaced_until"] > e["rollback_to"]:  # (a prediction replaces nothing)
+            windows.append(f"{e['rollback_to']}:{e['replaced_until']}")
         if e.get("rewarm_steps"):
             optim = dataclasses.replace(optim, rewarmup_start=e["rollback_to"],
                                         rewarmup_steps=e["rewarm_steps"])
@@ -263,7 +280,13 @@ def plan(cfg: GuardConfig, trigger: Trigger, kept: list[int], events: list[dict]
     """The action for `trigger`, given the kept checkpoint steps and the events so far: a dict
     that becomes the event's record ("action": "rollback", "escalate", "stop" or "go-on")."""
     e = {"rule": trigger.rule, "event_step": trigger.event, "trigger_step": trigger.step,
-         "loss": None if not math.isfinite(trigger.loss) else trigger.loss}
+         "loss": None if not math.isfinite(trigger.loss) else trigger.loss,
+         **({"max_logit": trigger.max_logit} if math.isfinite(trigger.max_logit) else {})}
+    if trigger.rule == "predict":  # before any event: escalate where the run stands
+        return e | {"action": "escalate", "rollback_to": trigger.event,
+                    "replaced_until": trigger.event, "extra_steps": 0,
+                    "escalation": cfg.escalate, "rewarm_steps": cfg.escalate_rewarm_steps,
+                    **({"qk_clip": cfg.qk_clip} if cfg.escalate == "qk-clip" else {})}
     floor, before = escalation_step(events), kept_before(cfg, trigger, kept, events)
     events = acted(events)
     escalated = any(x.get("escalation") for x in events)
@@ -288,16 +311,33 @@ def plan(cfg: GuardConfig, trigger: Trigger, kept: list[int], events: list[dict]
     return e | ({"rewarm_steps": cfg.rewarm_steps} if cfg.rewarm_steps else {})
 
 
-def losses_before(run_dir: pathlib.Path, start: int) -> dict[int, float]:
-    """{step: loss} of the SPAN steps before `start`, from metrics.jsonl (process 0's,
-    sent to every process: each must take the same decisions)."""
-    steps_losses = np.full((2, SPAN), -1.0)
+def predicted(cfg: GuardConfig, events: list[dict], step: int, metrics: dict) -> Trigger | None:
+    """The prediction at checkpoint step `step`, from the last step's logged metrics (step - 1):
+    a trigger where its largest attention logit is above cfg.predict_above and the run has not
+    escalated yet. Read at checkpoint steps only, so that a resume from one can read it again
+    from metrics.jsonl (a kill between the checkpoint and the record changes nothing)."""
+    if cfg.predict == "none" or escalation_step(events) or not metrics:
+        return None
+    v = float(np.max(metrics["attn_logit_max"]))
+    return Trigger("predict", step, step - 1, float(metrics["loss"]), max_logit=v) \
+        if v > cfg.predict_above else None
+
+
+def history_before(run_dir: pathlib.Path, start: int, layers: int) -> tuple[dict, dict]:
+    """({step: loss} of the SPAN steps before `start`, the metrics the predictor reads of step
+    start - 1 ({} if not logged)), from metrics.jsonl (process 0's, sent to every process: each
+    must take the same decisions)."""
+    rows = np.full((2 + layers, SPAN), -1.0)
     if jax.process_index() == 0 and start and (run_dir / "metrics.jsonl").is_file():
         m = read_metrics(run_dir)
         keep = (m["step"] < start) & (m["step"] >= start - SPAN)
         n = int(keep.sum())
         loss = np.where(np.isfinite(m["grad_norm"]), m["loss"], np.nan)  # as the loop sees it
-        steps_losses[:, :n] = m["step"][keep], loss[keep]
+        rows[:2, :n] = m["step"][keep], loss[keep]
+        rows[2:, :n] = m["attn_logit_max"][keep].T
     if jax.process_count() > 1:
-        steps_losses = multihost_utils.broadcast_one_to_all(steps_losses)
-    return {int(s): float(x) for s, x in steps_losses.T if s >= 0}
+        rows = multihost_utils.broadcast_one_to_all(rows)
+    seen = {int(s): float(x) for s, x in rows[:2].T if s >= 0}
+    last = [i for i in range(SPAN) if rows[0, i] == start - 1]
+    return seen, ({"loss": rows[1, last[0]], "attn_logit_max": rows[2:, last[0]]} if last
+                  else {})

@@ -482,7 +482,8 @@ def event_problem(e) -> str | None:
         return "a data record needs its trigger_step"
     if e["action"] in ("stop", "go-on", "data"):
         return None
-    if not (whole("rollback_to") and whole("replaced_until", e.get("rollback_to", 0) + 1)
+    ahead = e.get("rule") != "predict"  # (a prediction acts where the run stands)
+    if not (whole("rollback_to") and whole("replaced_until", e.get("rollback_to", 0) + ahead)
             and whole("extra_steps")):
         return "a rollback record needs rollback_to < replaced_until and extra_steps"
     if "rewarm_steps" in e and not whole("rewarm_steps"):
@@ -511,8 +512,9 @@ def describe(e: dict) -> str:
         return (f"{head}: in the data (train loss +{e['rise']:.3f}, held-out "
                 f"{e['held_out_before']:.4f} at step {e['checked_at']} -> "
                 f"{e['held_out_now']:.4f}): no rollback")
-    text = (f"{head}: rolled back to step {e['rollback_to']}, batches {e['rollback_to']}-"
-            f"{e['replaced_until'] - 1} replaced")
+    text = (f"{head}: max logit {e['max_logit']:.0f}, acted there, no rollback"
+            if e["rule"] == "predict" else f"{head}: rolled back to step {e['rollback_to']}, "
+            f"batches {e['rollback_to']}-{e['replaced_until'] - 1} replaced")
     if e.get("escalation"):
         text += f", escalated to {e['escalation']}"
     if e.get("rewarm_steps"):

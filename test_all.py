@@ -999,7 +999,8 @@ sys.exit(T.main(sys.argv[2:]))
 
 # The guard's record of the planted shift (PLANTED_SHIFT_RUNNER, plant_guard_events): a spike
 # at 150, rolled back to the kept checkpoint 120 with batches 120-150 replaced; the same spike
-# again, so rolled back again and escalated to QK-Norm (losses left out: rounding differs).
+# again, so rolled back again and escalated to QK-Norm (losses and logits left out: rounding
+# differs).
 PLANTED_SHIFT_EVENTS = [
     {"rule": "spike", "event_step": 150, "trigger_step": 150, "action": "rollback",
      "rollback_to": 120, "replaced_until": 151, "extra_steps": 31},
@@ -1033,7 +1034,8 @@ def test_the_guard_on_two_processes_takes_the_decisions_of_one(tmp_path):
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     two = R.read_events(tmp_path / "two")
-    assert [{k: v for k, v in e.items() if k != "loss"} for e in two] == PLANTED_SHIFT_EVENTS
+    assert [{k: v for k, v in e.items() if k not in ("loss", "max_logit")} for e in two] == \
+        PLANTED_SHIFT_EVENTS
     for line in outs[1].splitlines():  # process 1 took each decision too (process 0 says it)
         assert not line.startswith("guard:"), line
     cfg = dataclasses.replace(G.effective_config(tiny(steps=180), two),
@@ -2130,7 +2132,9 @@ def test_the_guard_escalates_a_relapsing_shift_to_qk_norm_and_a_kill_changes_not
         # killed before its record, the rollback is decided again; after it, re-applied
         assert len(calls) == 2 + (kill_at is not None and kill_at[1] == "before")
     events = R.read_events(tmp_path / "straight" / "run")
-    assert [{k: v for k, v in e.items() if k != "loss"} for e in events] == PLANTED_SHIFT_EVENTS
+    assert [{k: v for k, v in e.items() if k not in ("loss", "max_logit")} for e in events] == \
+        PLANTED_SHIFT_EVENTS
+    assert all(0 < e["max_logit"] < 1e3 for e in events)  # the signal when it acted
     m = R.read_metrics(tmp_path / "straight" / "run")
     after = m["loss"][m["step"] > events[1]["replaced_until"]]
     assert after.max() < m["loss"][100:140].max() + 0.5  # no relapse: the planted nat is gone
@@ -2211,6 +2215,56 @@ def test_a_level_shift_in_the_data_is_recorded_as_data_and_the_run_goes_on(tmp_p
     assert G.in_the_data(half, trig, 2.0, 2.19, 380)["action"] == "data"
     assert G.in_the_data(half, trig, 2.0, 2.21, 380) is None  # moved with it
     assert G.in_the_data(G.GuardConfig(), trig, 2.0, 2.0, 380) is None  # off by default
+
+
+@pytest.mark.slow
+def test_a_predicted_break_escalates_where_the_run_stands_and_a_kill_changes_nothing(
+        tmp_path, monkeypatch):
+    """--guard.predict max-logit, on a planted signal (from step 50 on, the max logit of a
+    model without QK-Norm reads 1,000 more; the loss does not move): at the next checkpoint
+    step, 60, the guard inserts QK-Norm with no rollback and nothing computed again. Killed
+    after the checkpoint and before the record, or after the record and before the
+    insertion, the same command ends bitwise where the straight run does."""
+    loss_fn = T.loss_fn
+
+    def planted(params, tokens, cfg, **kw):
+        loss, aux = loss_fn(params, tokens, cfg, **kw)
+        hit = (tokens[0, 0] == 255) & (not cfg.qk_norm)
+        return loss, aux | {"attn_logit_max": aux["attn_logit_max"] + 1000.0 * hit}
+    batch = D.TokenData.batch
+
+    def marked(self, step, rows=slice(None)):
+        tokens = batch(self, step, rows).copy()
+        tokens[0, 0] = 255 if step >= 50 else tokens[0, 0] % 255
+        return tokens
+    monkeypatch.setattr(T, "loss_fn", planted)
+    monkeypatch.setattr(D.TokenData, "batch", marked)
+    runs = {}
+    for name in ("straight", "kill-before-record", "kill-after-record"):
+        if name != "straight":
+            as_at_step(tmp_path / "straight" / "run", tmp_path / name / "run", 60)
+        if name == "kill-after-record":
+            shutil.copy(tmp_path / "straight" / "run" / "events.jsonl", tmp_path / name / "run")
+        runs[name] = tiny(tmp_path / name, steps=100, checkpoint_every=20, keep_checkpoints=10,
+                          eval_every=100, guard__on=True, guard__escalate="qk-norm",
+                          guard__spikes=False, guard__shifts=False, guard__predict="max-logit")
+        T.train(runs[name], devices=jax.devices()[:1])
+    (e,) = R.read_events(tmp_path / "straight" / "run")
+    assert e.pop("max_logit") > 1000
+    assert {k: v for k, v in e.items() if k != "loss"} == {
+        "rule": "predict", "event_step": 60, "trigger_step": 59, "action": "escalate",
+        "rollback_to": 60, "replaced_until": 60, "extra_steps": 0, "escalation": "qk-norm",
+        "rewarm_steps": 100}
+    m = R.read_metrics(tmp_path / "straight" / "run")
+    assert list(m["step"]) == list(range(100))  # nothing computed again
+    assert m["attn_logit_max"][60:].max() < 1000 < m["attn_logit_max"][50:60].min()
+    straight = final_state(runs["straight"])
+    assert "q_norm" in straight["params"]["layers"]
+    for name in ("kill-before-record", "kill-after-record"):
+        assert R.read_events(tmp_path / name / "run")[0]["event_step"] == 60
+        assert_trees_equal(final_state(runs[name]), straight)
+    with pytest.raises(ValueError, match="--guard.predict acts by escalating"):
+        G.GuardConfig(on=True, predict="max-logit")
 
 
 def as_at_step(run: pathlib.Path, copy: pathlib.Path, step: int) -> None:

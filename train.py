@@ -303,7 +303,9 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None, events=()
             f"{run_dir}, or train on with python train.py --resume {run_dir} --steps N")
         return {}
     stop, log, events = StopRequested(run_dir), Log(cfg, run_dir, start), list(events)
-    seen = guard.losses_before(run_dir, start) if cfg.guard.on else {}  # the losses the guard saw
+    # the losses the guard saw, and the last step's metrics (a prediction a kill interrupted)
+    seen, before = guard.history_before(run_dir, start, cfg.model.n_layers) if cfg.guard.on \
+        else ({}, {})
 
     def checkpoint(step=None, cfg=cfg, state=None):  # save (async), or wait for the saves
         try:
@@ -331,6 +333,8 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None, events=()
             loss = last["loss"] if math.isfinite(last["grad_norm"]) else math.nan
             seen[last["step"]] = loss
             trigger = watch.observe(last["step"], loss)
+            if trigger:
+                trigger = dataclasses.replace(trigger, max_logit=max(last["attn_logit_max"]))
             acted = trigger and guard_action(trigger, cfg, user_cfg or cfg, events, mngr,
                                              run_dir, mesh, log, held_out)
             if trigger and events[-1]["action"] == "data":
@@ -368,18 +372,26 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None, events=()
                         return last, acted
                     watch = guard.Watch.replay(cfg.guard, seen, done, guard.watch_since(events))
                 checkpoint(done, cfg, state)
+                if watch is not None and done < cfg.steps and not stopping and (
+                        t := guard.predicted(cfg.guard, events, done, last)):
+                    return last, guard_action(t, cfg, user_cfg or cfg, events, mngr, run_dir,
+                                              mesh, log, held_out)  # escalated where it stands
             if stopping:
                 break
             step += 1
         return (log.record(*prev) if prev is not None else last), None
 
     train_step, eval_step = make_train_step(cfg, tx), make_eval_step(cfg)
+    # a prediction at this checkpoint that a kill kept from its record is made again
+    t = guard.predicted(cfg.guard, events, start, before) if cfg.guard.on else None
+    acted = t and guard_action(t, cfg, user_cfg or cfg, events, mngr, run_dir, mesh, log, None)
     while True:
-        last, acted = train_until(cfg, state, train_step, eval_step)
+        if not acted:
+            last, acted = train_until(cfg, state, train_step, eval_step)
         if not acted:
             break
         # the guard rolled back: go on from its rollback point with what it changed
-        new_cfg, tx, state = acted
+        (new_cfg, tx, state), acted = acted, None
         data.replaced = parse_ranges(new_cfg.data.replace_batches, "replace_batches")
         if (new_cfg.model, new_cfg.optim) != (cfg.model, cfg.optim):  # a new step function
             train_step, eval_step = make_train_step(new_cfg, tx), make_eval_step(new_cfg)
