@@ -720,9 +720,10 @@ STORY_STEPS_PER_TURN = 50  # a story step is ~1/15 of a cpu-preset step
 
 def story_main(args) -> int:
     """The story preset's step (d_model 64, 16 x 128 tokens: a few GFLOP, so dispatch, host
-    reads and bookkeeping could weigh), timed five ways in this one process: the compiled step alone
-    (no host read), without the per-layer metrics, reading each step's metrics to the host as
-    train.py's loop does (three timers in turns, medians of the rounds); the whole train.py loop
+    reads and bookkeeping could weigh), timed six ways in this one process: the compiled step
+    alone (no host read), without the per-layer metrics, with the q/k spectral entropy too,
+    reading each step's metrics to the host as train.py's loop does (four timers in turns,
+    medians of the rounds); the whole train.py loop
     (batches, the metrics file, evals and checkpoints every 250 steps); the search harness per
     member-step (search.py: 3 seeds in one vmapped step, 50 steps a dispatch)."""
     jax.monitoring.register_event_duration_secs_listener(count_compile)
@@ -735,9 +736,11 @@ def story_main(args) -> int:
     variants = {"step alone": step_spec(cfg),
                 "without per-layer metrics": step_spec(dataclasses.replace(
                     cfg, per_layer_metrics=False)),
+                "with the q/k spectral entropy too": step_spec(dataclasses.replace(
+                    cfg, spectral_metrics=True)),
                 "reading the metrics each step": step_spec(cfg, read=True)}
     with tempfile.TemporaryDirectory() as tmp:
-        print(f"1/3 the compiled step, three ways in turns ({args.rounds} rounds of {n} steps)",
+        print(f"1/3 the compiled step, four ways in turns ({args.rounds} rounds of {n} steps)",
               flush=True)
         timers = {name: variant_timer(spec, pathlib.Path(tmp) / str(i))
                   for i, (name, spec) in enumerate(variants.items())}

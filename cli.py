@@ -114,3 +114,8 @@ def claim_partial(out, marker: str):
     partial.mkdir(parents=True)
     (partial / marker).write_text("written by spikefix; renamed into place once complete\n")
     return partial
+
+
+def fmt_time(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"

@@ -48,6 +48,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     max_consecutive_nonfinite: int = 20  # stop after this many non-finite steps in a row
     per_layer_metrics: bool = True  # per-layer grad/update norms and q/k weight norms
+    spectral_metrics: bool = False  # with them, the q/k weights' spectral entropy (SVD a layer)
     resume_step: int | None = None  # resume from this checkpoint instead of the latest
     dry_run: bool = False  # print sizes and per-device bytes, allocate nothing
     init_from_hf: str = ""  # start from the weights of a Hugging Face Llama / Qwen3 folder
@@ -95,8 +96,9 @@ def check_escalation(cfg: TrainConfig) -> None:
 RESUMABLE = {"run_dir", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
              "max_consecutive_nonfinite", "dry_run", "mesh.data", "mesh.model",
              "data.replace_batches", "data.eval_sequences", "per_layer_metrics", "resume_step",
-             "dist.coordinator", "dist.num_processes", "dist.process_id", "dist.auto",
-             "dist.timeout", "wandb.project", "wandb.name", "wandb.mode", "wandb.timeout",
+             "spectral_metrics", "dist.coordinator", "dist.num_processes", "dist.process_id",
+             "dist.auto", "dist.timeout", "wandb.project", "wandb.name", "wandb.mode",
+             "wandb.timeout",
              "model.attention", "model.attention_block"}  # same math, another implementation
 
 PRESETS = {

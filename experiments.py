@@ -197,6 +197,12 @@ EVIDENCE_GROUPS += [
     dataclasses.replace(EVIDENCE, name="story8-rerun"),
     dataclasses.replace(EVIDENCE, name="story8-qk-clip-switched", fork="story8-rerun",
                         snapshot_every=0, compare_with="story8-qk", optim=(("qk_clip", 100.0),))]
+# The baseline and its twin once more, with every early-warning signal computed online in the
+# step (foresight.py --group story8-signals): the update/weight ratio and m / sqrt(v) per layer,
+# the q/k spectral entropy.
+EVIDENCE_GROUPS += [g for base in [dataclasses.replace(EVIDENCE, name="story8-signals",
+                                                       snapshot_every=0, spectral=True)]
+                    for g in (base, twin(base))]
 # The other levers alone, over the same seeds (queued after those).
 EVIDENCE_GROUPS += [dataclasses.replace(g, name=g.name.replace("story-", "story8-"),
                                         seeds=EVIDENCE_SEEDS, compare_with="story8-qk")

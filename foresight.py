@@ -2,6 +2,7 @@
 
     python foresight.py                  # the table, from the 8-seed evidence's stored curves
     python foresight.py --plot           # + results/foresight.png and results/README.md
+    python foresight.py --group story8-signals   # + the signals computed online in the step
 
 Each signal is computed from a run's logged per-step metrics alone (the stored curves of
 experiments.py's `story8` rows: no new training), per step, as the largest over the layers:
@@ -15,6 +16,11 @@ experiments.py's `story8` rows: no new training), per step, as the largest over 
   #1368: the first moment outgrows the second; a norm-level proxy of m / sqrt(v), which the
   curves do not keep per element);
 - `qk-growth`: log10 of ||W_q|| ||W_k|| now over 100 steps ago;
+- online in the jitted step (train.py's per-layer metrics; stored by the groups that ran with
+  them, `story8-signals` and its twin): `update/param`, the layer's update norm over its weight
+  norm; `m/sqrt(v) rms`, the RMS of Adam's m / sqrt(v) over the layer's elements (the
+  per-element form of `adam-ratio`); `qk-entropy-drop` (with `--spectral-metrics`): the fall
+  of the q/k weights' spectral entropy over 100 steps (optim.spectral_entropy);
 - `step (control)`: the step itself. Episodes come late in a run and several signals grow with
   time, so a signal foresees an episode only where it does better than this control.
 
@@ -25,8 +31,7 @@ twin's steps pooled; and at one threshold, chosen on seeds 0-3 alone (the lowest
 most 0.5 times per 1,000 steps in the twin's seeds 0-3) and reported on seeds 4-7: the share of
 episodes with an alarm in the 500 steps before them, the lead time of the first such alarm, and
 the alarms per 1,000 steps in the twin's runs (where no episode comes). Intervals: 95% bootstrap
-over the seeds. The spectral entropy of the q/k weights needs the weights, which the curves do not
-keep: it is not here.
+over the seeds.
 """
 
 import dataclasses
@@ -40,7 +45,7 @@ from cli import UserError, command, parse
 from report import bootstrap, episodes, find_shifts, find_spikes, pyplot, save_figure, update_readme
 
 CURVES = pathlib.Path("results/curves")
-BASE, TWIN = "story8", "story8-qk"
+BASE = "story8"  # the baseline whose episodes are predicted (--group; its twin: BASE-qk)
 WARMUP = 1000  # the story preset's warmup: the signals are judged after it
 HORIZONS = (50, 200, 500)
 LOOKBACK = 500  # an alarm counts for an episode when it comes at most this many steps before it
@@ -81,6 +86,15 @@ def signals(c: dict) -> dict[str, np.ndarray]:
                / trailing_median(c["update_norm_per_layer"]),
                "adam-ratio": adam / trailing_median(adam), "qk-growth": qk - ago(qk, 100),
                "step (control)": np.arange(len(c["loss"]), dtype=np.float64)}
+        # online in the step (train.py's per-layer metrics, --spectral-metrics), where the
+        # curves keep them (the groups run with them: story8-signals, story8-signals-qk)
+        if "update_ratio_per_layer" in c:
+            out["update/param"] = c["update_ratio_per_layer"]
+        if "adam_ratio_rms_per_layer" in c:
+            out["m/sqrt(v) rms"] = c["adam_ratio_rms_per_layer"]
+        if "wq_entropy" in c:
+            qk_entropy = np.concatenate([c["wq_entropy"], c["wk_entropy"]], axis=1)
+            out["qk-entropy-drop"] = ago(qk_entropy, 100) - qk_entropy
         return {k: np.nanmax(np.where(np.isfinite(v), v, -np.inf), axis=1) if v.ndim > 1
                 else v for k, v in out.items()}
 
@@ -266,18 +280,19 @@ def plot(base: dict[int, dict], rows: list[dict], out: pathlib.Path) -> pathlib.
 @dataclasses.dataclass(frozen=True)
 class Args:
     plot: bool = False  # results/foresight.png and the table into results/README.md
+    group: str = BASE  # the baseline's stored curves (its twin: GROUP-qk)
 
 
 @command
 def main(argv: list[str]) -> int:
     args = parse(Args, argv, description=__doc__)
-    base = {s: load_curve(BASE, s) for s in (*TRAIN_SEEDS, *TEST_SEEDS)}
-    twin = {s: load_curve(TWIN, s) for s in base}
+    base = {s: load_curve(args.group, s) for s in (*TRAIN_SEEDS, *TEST_SEEDS)}
+    twin = {s: load_curve(f"{args.group}-qk", s) for s in base}
     rows = evaluate(base, twin)
     text = markdown(rows, sum(len(shift_onsets(c)) for c in base.values()), len(base),
                     chance(base))
     print(text)
-    if args.plot:
+    if args.plot and args.group == BASE:
         print(f"wrote {plot(base, rows, CURVES.parent)}")
         update_readme(text, part="foresight", writer="foresight.py")
     return 0

@@ -2,6 +2,7 @@
 
     python train.py story --guard                              # roll back, skip the data
     python train.py story --guard --guard.escalate qk-norm    # ...and insert QK-Norm on relapse
+    python train.py story --guard --guard.escalate qk-norm --guard.predict max-logit  # before
 
 The loop hands every step's loss and grad norm (the values it already reads for the log) to a
 `Watch`, which applies report.py's rules online: the one-step spike rule, the level-shift rule,
@@ -15,6 +16,12 @@ and a non-finite step. On a trigger the loop
 4. and at the `relapses`-th trigger within `within` steps escalates instead: inserts QK-Norm in
    process (the warm start's carry: every leaf kept, the new scales at 1 with zero moments,
    the LR re-warmed over `escalate_rewarm_steps`), or switches QK-Clip on, or stops.
+
+With `--guard.predict max-logit` it also acts before any loss event: at a checkpoint step
+where the last step's largest attention logit is above `--guard.predict-above`, it escalates
+where the run stands (the checkpoint just saved is the rollback point: nothing is replaced or
+computed again). The logit is the signal that led the story's level shifts best (foresight.py;
+Wortsman et al., arXiv 2309.14322: attention-logit growth precedes the instability).
 
 It never rolls back past an escalation (the model changed there), and its watch forgets the
 losses before one (the insertion's one-time bump is no relapse). A window replaced again draws

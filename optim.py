@@ -599,17 +599,44 @@ def per_layer_norms(tree: dict) -> jax.Array:
     return jnp.sqrt(sum(sq))
 
 
-def per_layer_metrics(params, grads, updates, opt_state) -> dict:
+def per_layer_metrics(params, grads, updates, opt_state, spectral: bool = False) -> dict:
     """[L] per-layer norms of what moves before a spike (Marin: update spikes first, larger in
     the lower layers; Adam's first moment doubled while the second stayed flat): gradients,
-    updates, q/k weights, and Adam's moments, read from the optimizer state (no recompute)."""
+    updates (and over the weights' norm), q/k weights, and Adam's moments, read from the
+    optimizer state (no recompute); the RMS of m / sqrt(v) over each layer's elements (Marin
+    #1368: the first moment outgrows sqrt(v) in the lower layers); with `spectral`, the q/k
+    weights' spectral entropy."""
     out = {"grad_norm_per_layer": per_layer_norms(grads),
            "update_norm_per_layer": per_layer_norms(updates)}
+    out["update_ratio_per_layer"] = out["update_norm_per_layer"] / per_layer_norms(params)
     out |= {f"{w}_norm": per_layer_norms({"layers": {w: params["layers"][w]}})
             for w in ("wq", "wk")}
     adam = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
         x, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState)]
     if adam and jax.tree.leaves(adam[0].mu.get("layers", {})):  # (Muon: Adam has the norms)
-        out["adam_mu_norm_per_layer"] = per_layer_norms(adam[0].mu)
-        out["adam_nu_norm_per_layer"] = per_layer_norms(adam[0].nu)
+        mu, nu = adam[0].mu, adam[0].nu
+        out["adam_mu_norm_per_layer"] = per_layer_norms(mu)
+        out["adam_nu_norm_per_layer"] = per_layer_norms(nu)
+        ratio = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + 1e-8), mu, nu)
+        count = sum(x[0].size for x in jax.tree.leaves(mu["layers"]))
+        out["adam_ratio_rms_per_layer"] = per_layer_norms(ratio) / math.sqrt(count)
+    if spectral:
+        out |= {f"{w}_entropy": spectral_entropy(params["layers"][w]) for w in ("wq", "wk")}
     return out
+
+
+def spectral_entropy(w) -> jax.Array:
+    """[L] per stacked layer of w [L, D, ...]: the order-2 (Renyi) entropy of its spectrum, the
+    squared singular values as shares p of their sum: -log(sum p^2) over the log of their
+    count, 1 for a flat spectrum, 0 for rank one. From the Gram matrix G = W^T W alone (sum p^2
+    = ||G||_F^2 / tr(G)^2): matmuls, no SVD. arXiv 2606.28116 names the collapse of the q/k
+    spectral entropy an early warning; Zhai et al. (arXiv 2303.06296) bound the attention
+    entropy by the spectral norm of W_q W_k^T. A D x D matmul per layer: cheap at d_model 64,
+    not at scale (`--spectral-metrics`, off by default)."""
+    w = w.reshape(w.shape[0], w.shape[1], -1).astype(jnp.float32)
+    if jax.typeof(w).sharding.mesh.axis_names:  # (whole matrices)
+        w = jax.sharding.reshard(w, P())
+    gram = jnp.einsum("ldx,ldy->lxy", w, w)
+    trace = jnp.trace(gram, axis1=1, axis2=2)
+    purity = jnp.sum(jnp.square(gram), axis=(1, 2)) / jnp.square(trace)
+    return -jnp.log(purity) / math.log(min(w.shape[1], w.shape[2]))

@@ -504,6 +504,20 @@ def acted(events: list[dict]) -> list[dict]:
     return [e for e in events if e["action"] in ("rollback", "escalate")]
 
 
+def final_report(run_dir: pathlib.Path, unit: str, tracker) -> None:
+    """The end of a train.py run: the event tables printed, and with a tracker (tracking.py)
+    that logs, handed to it with the figures. The run is saved by then: a report that cannot
+    be made is a note, not a failure."""
+    try:
+        metrics = read_metrics(run_dir)
+        print(text := event_report(metrics, str(run_dir)))
+        figures = plot({run_dir.name: metrics}, run_dir / "figures", unit=unit) \
+            if tracker.run else []
+        tracker.finish(text, figures)
+    except UserError as e:
+        print(f"note: no spike report: {e}", file=sys.stderr)
+
+
 def describe(e: dict) -> str:
     head = f"guard: {e['rule']} at step {e['event_step']} (seen at {e['trigger_step']})"
     if e["action"] in ("stop", "go-on"):

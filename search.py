@@ -89,6 +89,7 @@ class Group:
     # The guard on (GuardConfig fields): its rollbacks are the loop's, so each seed is a
     # train.py run (train.train, one after the other, resumable), its metrics.jsonl the curve.
     guard: tuple[tuple[str, object], ...] = ()
+    spectral: bool = False  # log the q/k spectral entropy too (train.py --spectral-metrics)
 
     def config(self, lr: float | None = None) -> TrainConfig:
         """train.py's config of one member at `lr` (default: the group's first LR)."""
@@ -107,13 +108,14 @@ class Group:
                                    eval_sequences=64)
         guarded = GuardConfig(on=True, **dict(self.guard)) if self.guard else base.guard
         return dataclasses.replace(base, model=model, optim=optim, data=data, steps=self.steps,
-                                   guard=guarded)
+                                   guard=guarded, spectral_metrics=self.spectral)
 
     def settings(self) -> dict:
         d = dataclasses.asdict(self) | {"optim": dict(self.optim), "model": dict(self.model),
                                         "guard": dict(self.guard)}
         return {k: v for k, v in d.items() if k not in ("name", "lrs", "seeds", "compare_with")
-                and (k not in ("optim", "model", "fork", "snapshot_every", "guard") or v)}
+                and (k not in ("optim", "model", "fork", "snapshot_every", "guard", "spectral")
+                     or v)}
 
 
 def twin(g: Group, **kw) -> Group:

@@ -701,20 +701,44 @@ def test_a_nan_step_changes_nothing_and_the_schedule_advances(tiny_tokens):
                                   before["params"]["layers"]["wq"])
 
 
-def test_the_per_layer_adam_moment_norms_are_those_of_the_state_after_the_step(tiny_tokens):
-    cfg = tiny()
+def test_the_per_layer_signals_are_those_of_the_state_the_step_read_and_wrote(tiny_tokens):
+    """Adam's moment norms and the RMS of m / sqrt(v) of the state after the step; the update
+    over the weights' norm and the q/k spectral entropy of the weights before it (from their
+    singular values); each per layer, recomputed in NumPy."""
+    cfg = tiny(spectral_metrics=True)
     state, tx, _ = init_sharded(cfg, mesh_of(1, 1))
     step = T.make_train_step(cfg, tx)
     with jax.set_mesh(mesh_of(1, 1)):
         new, metrics = step(state, jnp.asarray(np.tile(tiny_tokens, (2, 1))))
+        read = jax.device_get(new["params"]["layers"])
         new, metrics = step(new, jnp.asarray(np.tile(tiny_tokens, (2, 1))))
     adam = new["opt_state"][0].inner_state[1]  # chain(clip, adam, decay): the second
     assert isinstance(adam, optax.ScaleByAdamState) and int(adam.count) == 2
+
+    def per_layer(tree, f=np.square):
+        return sum(np.sum(f(np.asarray(x, np.float64)), axis=tuple(range(1, x.ndim)))
+                   for x in jax.tree.leaves(tree))
     for key, moment in (("adam_mu_norm_per_layer", adam.mu), ("adam_nu_norm_per_layer", adam.nu)):
-        expected = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2, axis=tuple(
-            range(1, x.ndim))) for x in jax.tree.leaves(moment["layers"])))
+        expected = np.sqrt(per_layer(moment["layers"]))
         np.testing.assert_allclose(np.asarray(metrics[key]), expected, rtol=1e-5)
         assert expected.shape == (cfg.model.n_layers,) and np.all(expected > 0)
+    ratio = jax.tree.map(lambda m, v: np.asarray(m, np.float64) / (np.sqrt(v) + 1e-8),
+                         adam.mu["layers"], adam.nu["layers"])
+    count = sum(x[0].size for x in jax.tree.leaves(ratio))
+    np.testing.assert_allclose(np.asarray(metrics["adam_ratio_rms_per_layer"]),
+                               np.sqrt(per_layer(ratio) / count), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(metrics["update_ratio_per_layer"]),
+                               np.asarray(metrics["update_norm_per_layer"])
+                               / np.sqrt(per_layer(read)), rtol=1e-5)
+    for w in ("wq", "wk"):
+        x = np.asarray(read[w], np.float64)
+        sv = np.linalg.svd(x.reshape(x.shape[0], x.shape[1], -1), compute_uv=False) ** 2
+        p = sv / sv.sum(-1, keepdims=True)
+        np.testing.assert_allclose(np.asarray(metrics[f"{w}_entropy"]),  # (Renyi, order 2)
+                                   -np.log(np.sum(p ** 2, -1)) / np.log(p.shape[-1]), rtol=1e-4)
+    flat, one = np.eye(8)[None], np.outer(np.arange(1, 9), np.ones(8))[None]
+    np.testing.assert_allclose(O.spectral_entropy(jnp.asarray(flat)), [1.0], rtol=1e-5)
+    np.testing.assert_allclose(O.spectral_entropy(jnp.asarray(one)), [0.0], atol=1e-5)
 
 
 def test_muon_splits_the_parameters_as_levanters_muon_does():

@@ -41,7 +41,7 @@ from checkpoint import (
     strict_json,
     write_config,
 )
-from cli import UserError, command
+from cli import UserError, command, fmt_time
 from config import (
     TrainConfig,
     check_escalation,
@@ -66,7 +66,7 @@ from distributed import (
 from hf import load_hf
 from model import count_params, flops_per_token, logical_to_spec, loss_fn, optimizer_layout
 from optim import lr_schedule, make_optimizer, opt_metrics, per_layer_metrics
-from report import acted, describe, event_report, plot, read_events, read_metrics
+from report import acted, describe, final_report, read_events
 from tracking import Tracker
 
 
@@ -103,7 +103,7 @@ def build_train_step(cfg: TrainConfig, tx):
         metrics = {"loss": loss, "lr": schedule(state["step"]), **aux,
                    **opt_metrics(opt_state, cfg.optim.max_grad_norm)}
         if cfg.per_layer_metrics:
-            metrics |= per_layer_metrics(params, grads, updates, opt_state)
+            metrics |= per_layer_metrics(params, grads, updates, opt_state, cfg.spectral_metrics)
         new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
                      "opt_state": opt_state}
         return new_state, metrics
@@ -196,11 +196,6 @@ class Log:
 
     def average_tokens_per_s(self, last_step: int) -> float:
         return self.tokens_per_step * (last_step - self.start) / (self.t_prev - self.t_first)
-
-
-def fmt_time(seconds: float) -> str:
-    m, s = divmod(int(seconds), 60)
-    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
 
 
 def train(cfg: TrainConfig, devices=None) -> dict:
@@ -407,14 +402,7 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None, events=()
         sys.exit(128 + stop.signal)
     if log.file:
         log.file.close()
-        try:  # the run is saved; a report that cannot be made is a note, not a failure
-            metrics = read_metrics(run_dir)
-            print(text := event_report(metrics, str(run_dir)))
-            figures = plot({run_dir.name: metrics}, run_dir / "figures",
-                           unit=token_unit(cfg.data.source)) if log.tracker.run else []
-            log.tracker.finish(text, figures)
-        except UserError as e:
-            print(f"note: no spike report: {e}", file=sys.stderr)
+        final_report(run_dir, token_unit(cfg.data.source), log.tracker)
     return last
 
 
