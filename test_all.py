@@ -3415,6 +3415,19 @@ def test_foresight_measures_a_planted_warning_and_its_absence():
     thr = F.threshold_for(twins, budget=0.5)
     assert np.mean([F.alarm_rate(t, thr) for t in twins]) <= 0.5
     assert np.mean([F.alarm_rate(t, thr - 0.3) for t in twins]) > 0.5  # not far above it
+    # the signals computed online in the step, where a curve keeps them: the largest layer's
+    ones = np.ones((300, 2))
+    entropy = ones.copy()
+    entropy[200:, 1] = 0.5  # layer 1's q weights lose half their spectral entropy at 200
+    c = {"loss": np.zeros(300), "attn_logit_max": ones, "update_norm_per_layer": ones,
+         "adam_mu_norm_per_layer": ones, "adam_nu_norm_per_layer": ones, "wq_norm": ones,
+         "wk_norm": ones, "update_ratio_per_layer": ones * [1e-3, 2e-3],
+         "adam_ratio_rms_per_layer": ones * [0.1, 0.3], "wq_entropy": entropy, "wk_entropy": ones}
+    sig = F.signals(c)
+    assert sig["update/param"][5] == 2e-3 and sig["m/sqrt(v) rms"][5] == 0.3
+    assert list(sig["qk-entropy-drop"][[50, 150, 250, 299]]) == [-np.inf, 0.0, 0.5, 0.5]
+    del c["wq_entropy"]
+    assert "qk-entropy-drop" not in F.signals(c)
 
 
 def test_imports_flow_one_way():
