@@ -48,7 +48,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     max_consecutive_nonfinite: int = 20  # stop after this many non-finite steps in a row
     per_layer_metrics: bool = True  # per-layer grad/update norms and q/k weight norms
-    spectral_metrics: bool = False  # with them, the q/k weights' spectral entropy (SVD a layer)
+    spectral_metrics: bool = False  # with them, the q/k weights' spectral entropy per layer
     resume_step: int | None = None  # resume from this checkpoint instead of the latest
     dry_run: bool = False  # print sizes and per-device bytes, allocate nothing
     init_from_hf: str = ""  # start from the weights of a Hugging Face Llama / Qwen3 folder

@@ -78,11 +78,11 @@ class GuardConfig:
     # data shifted (Marin's cooldown shuffle): recorded as "data", no rollback (in_the_data).
     # Off (0) by default: on the stored story curves, 0.5 would pass 4 of 15 real shifts.
     data_fraction: float = 0.0
-    # Act before the break (predict): at a checkpoint step, where the last step's largest
-    # attention logit exceeds `predict_above`, escalate in place, without a rollback. 100 is
-    # foresight.py's max-logit threshold on the evidence's seeds 0-3 (10^1.99), rounded; the
-    # QK-Norm runs stay near 50. "max-logit" or "none".
+    # "max-logit": before any event, escalate where the run stands (no rollback) at a
+    # checkpoint step whose last step's max attention logit is above --guard.predict-above
     predict: str = "none"
+    # the logit it acts above: foresight.py's threshold on the evidence's seeds 0-3 (10^1.99),
+    # rounded; the QK-Norm runs stay near 50
     predict_above: float = 100.0
 
     def __post_init__(self):
