@@ -163,12 +163,11 @@ class Log:
         self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
         self.t_start = self.t_prev = time.perf_counter()
         self.t_first = None  # the first record's time: the average excludes the compile
-        self.shown = (start - 1, self.t_start)  # the step and time of the last progress line
-        self.lines = 0  # progress lines printed (the first one's time includes the compile)
+        self.since = None  # (step, time) of the first record since the compile or a rollback
 
     def record(self, step: int, metrics: dict) -> dict:
         now = time.perf_counter()
-        self.t_first = self.t_first or now
+        self.t_first, self.since = self.t_first or now, self.since or (step, now)
         m = {"step": step, **{k: (v.tolist() if v.ndim else v.item())
                               for k, v in jax.device_get(metrics).items()},
              "tokens_per_s": self.tokens_per_step / (now - self.t_prev)}
@@ -178,17 +177,17 @@ class Log:
             self.file.flush()
         self.tracker.log(m, step)
         if step % self.cfg.log_every == 0 or "eval_loss" in m:
-            # rates over the steps since the last line (the first line's include the compile;
-            # a rollback restarts the count): never a division by zero, never a negative ETA
-            per_step = (now - self.shown[1]) / max(step - self.shown[0], 1)
-            eta = fmt_time(per_step * max(self.cfg.steps - step - 1, 0)) if self.lines else "--"
-            self.lines, self.shown = self.lines + 1, (step, now)
+            # rates over the steps since the first record after the compile or the last
+            # rollback (none on that record itself): never a division by zero or negative ETA
+            per_step = (now - self.since[1]) / (step - self.since[0]) if self.since and \
+                step > self.since[0] else None
+            eta = fmt_time(per_step * max(self.cfg.steps - step - 1, 0)) if per_step else "--"
             ev = f" | eval {m['eval_loss']:.4f}" if "eval_loss" in m else ""
             say(f"step {step:>6}/{self.cfg.steps} | loss {m['loss']:.4f}{ev} | "
                 f"grad {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
                 f"logit max {max(m['attn_logit_max']):.1f} | "
                 f"{(step + 1) * self.tokens_per_step / 1e6:.2f}M tok | "
-                f"{self.tokens_per_step / per_step / 1e3:.1f}k tok/s | "
+                f"{f'{self.tokens_per_step / per_step / 1e3:.1f}k' if per_step else '--'} tok/s | "
                 f"{fmt_time(now - self.t_start)} | ETA {eta}", flush=True)
         finite = math.isfinite(m["loss"] + m["grad_norm"])
         self.nonfinite = 0 if finite else self.nonfinite + 1
@@ -392,7 +391,7 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None, events=()
             train_step, eval_step = make_train_step(new_cfg, tx), make_eval_step(new_cfg)
         cfg, at = new_cfg, int(state["step"])
         seen = {s: x for s, x in seen.items() if at - guard.SPAN <= s < at}
-        log.nonfinite, log.shown = 0, (at - 1, time.perf_counter())
+        log.nonfinite, log.since = 0, None
     if last and last["step"] > start:
         last["avg_tokens_per_s"] = log.average_tokens_per_s(last["step"])
     checkpoint()
