@@ -955,6 +955,43 @@ def evidence_rows(record: dict, base: str = "story8", twin: str = "story8-qk") -
     return rows
 
 
+# The README's summary of the evidence, in this order, under these names.
+README_ROWS = (
+    ("story8", "baseline"), ("story8-qk", "QK-Norm from scratch"),
+    ("story8-marin-32b", "the 32B's levers together"),
+    ("story8-qk-inserted", "QK-Norm inserted mid-run"),
+    ("story8-qk-clip-100", "QK-Clip 100 from scratch"),
+    ("story8-muon", "Muon (LM head on AdamW) from scratch"),
+    ("story8-muonclip-100", "MuonClip (Muon + QK-Clip 100)"),
+    ("story8-clip-0.2", "gradient clipping 0.2 alone"),
+    ("story8-skip-step", "skip-step (OLMo 2) alone"),
+    ("story8-update-clip-norm", "update-norm clipping alone"),
+    ("story8-softcap-50", "soft-cap 50 (Gemma 2)"),
+    ("story8-guard-escalate", "the guard, escalating to QK-Norm (train.py)"),
+    ("story8-guard-predict", "the guard, predicting: max logit > 100 at a checkpoint"),
+    ("story8-qk-clip-switched", "QK-Clip 100 switched on mid-run (from the rerun below)"),
+    ("story8-rerun", "the baseline again, final code"))
+
+
+def readme_summary(rows: list[dict]) -> str:
+    """The README's evidence table: README_ROWS that have run, four figures each."""
+    by = {r["group"]: r for r in rows}
+
+    def cell(r, key, fmt):
+        lo, hi = r[key]["ci"]
+        return f"{fmt.format(r[key]['mean'])} [{fmt.format(lo)}, {fmt.format(hi)}]"
+    lines = ["| row (8 seeds; 95% bootstrap intervals) | seeds with a level shift | level-shift "
+             "episodes / 1k steps | held-out (nats/byte) | max attn logit |", "|---" * 5 + "|"]
+    for group, label in README_ROWS:
+        if (r := by.get(group)) is None:
+            continue
+        n, shifted = len(r["seeds"]), round(sum(r["with_shift"]["values"]))
+        rate = cell(r, "level_shift_episodes", "{:.2f}") if shifted else "0"
+        lines.append(f"| {label}{f' ({n} seeds)' if n != 8 else ''} | {shifted} of {n} | {rate} "
+                     f"| {cell(r, 'eval', '{:.3f}')} | {cell(r, 'max_logit', '{:,.0f}')} |")
+    return "\n".join(lines)
+
+
 def evidence_markdown(rows: list[dict]) -> str:
     """The evidence table (rates per 1,000 steps after S1, mean [95% bootstrap interval] over
     seeds), the old rules' counts beside it, and each row's recovery survival table."""
@@ -1149,11 +1186,14 @@ def harness_tables(args: Args) -> None:
                   f" {'inside' if in_ci else 'OUTSIDE'}; seeds' range [{span[0]:.3f}, "
                   f"{span[1]:.3f}] {'inside' if in_span else 'OUTSIDE'}")
         return
+    evidence = evidence_rows(record) if args.evidence else []
+    if evidence and args.plot:
+        update_readme(readme_summary(evidence), pathlib.Path("README.md"), "evidence-summary")
     for flag, text, part, figure in (
             (args.levers, levers_markdown, "levers", plot_levers),
             (args.sweep, sweep_markdown, "lr-sweep", plot_sweep),
-            (args.evidence, lambda r: evidence_markdown(evidence_rows(r)), "evidence",
-             lambda r, out: plot_evidence(evidence_rows(r), out)),
+            (args.evidence, lambda r: evidence_markdown(evidence), "evidence",
+             lambda r, out: plot_evidence(evidence, out)),
             (args.widths, widths_markdown, "widths", None)):
         if not flag:
             continue
