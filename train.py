@@ -376,8 +376,9 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None, events=()
         return (log.record(*prev) if prev is not None else last), None
 
     train_step, eval_step = make_train_step(cfg, tx), make_eval_step(cfg)
-    # a prediction at this checkpoint that a kill kept from its record is made again
-    t = guard.predicted(cfg.guard, events, start, before) if cfg.guard.on else None
+    # a prediction a kill kept from its record, made again (at a checkpoint step, not Ctrl-C's)
+    t = guard.predicted(cfg.guard, events, start, before) if cfg.guard.on and \
+        start % cfg.checkpoint_every == 0 else None
     acted = t and guard_action(t, cfg, user_cfg or cfg, events, mngr, run_dir, mesh, log, None)
     while True:
         if not acted:
