@@ -181,7 +181,10 @@ EVIDENCE_GROUPS += [dataclasses.replace(EVIDENCE, name=f"story8-guard-{tag}",
                                         guard=(("escalate", "qk-norm"), *more))
                     for tag, more in (("escalate", ()),
                                       ("escalate-data", (("data_fraction", 0.5),)),
-                                      ("predict", (("predict", "max-logit"),)))]
+                                      ("predict", (("predict", "max-logit"),)),
+                                      # (its one-step spikes left alone: no rollback at all?)
+                                      ("predict-only", (("predict", "max-logit"),
+                                                        ("spikes", False))))]
 # The references' tools over the same seeds (run after the four above): QK-Clip's signed max
 # and no-growth rule, Muon with the references' split, MuonClip (Muon + QK-Clip, as K2).
 EVIDENCE_GROUPS += [
@@ -969,6 +972,7 @@ README_ROWS = (
     ("story8-softcap-50", "soft-cap 50 (Gemma 2)"),
     ("story8-guard-escalate", "the guard, escalating to QK-Norm (train.py)"),
     ("story8-guard-predict", "the guard, predicting: max logit > 100 at a checkpoint"),
+    ("story8-guard-predict-only", "the same, its spike rule off"),
     ("story8-qk-clip-switched", "QK-Clip 100 switched on mid-run (from the rerun below)"),
     ("story8-rerun", "the baseline again, final code"))
 
