@@ -253,7 +253,7 @@ def markdown(rows: list[dict], n_onsets: int, n_seeds: int, at_chance: float) ->
     return "\n".join(lines)
 
 
-def plot(base: dict[int, dict], rows: list[dict], out: pathlib.Path) -> pathlib.Path:
+def plot(base: dict[int, dict], rows: list[dict], path: pathlib.Path) -> pathlib.Path:
     """Each signal against the step for two baseline seeds, the level-shift episodes marked,
     the chosen threshold dotted."""
     plt = pyplot()
@@ -274,12 +274,12 @@ def plot(base: dict[int, dict], rows: list[dict], out: pathlib.Path) -> pathlib.
                 ax.set_title(f"baseline seed {s}: level-shift episodes (black), threshold "
                              "(red dotted)", fontsize=8)
         axes[-1, j].set_xlabel("step")
-    return save_figure(fig, out / "foresight.png", dpi=80)
+    return save_figure(fig, path, dpi=80)
 
 
 @dataclasses.dataclass(frozen=True)
 class Args:
-    plot: bool = False  # results/foresight.png and the table into results/README.md
+    plot: bool = False  # results/foresight[-GROUP].png and the table into results/README.md
     group: str = BASE  # the baseline's stored curves (its twin: GROUP-qk)
 
 
@@ -292,9 +292,10 @@ def main(argv: list[str]) -> int:
     text = markdown(rows, sum(len(shift_onsets(c)) for c in base.values()), len(base),
                     chance(base))
     print(text)
-    if args.plot and args.group == BASE:
-        print(f"wrote {plot(base, rows, CURVES.parent)}")
-        update_readme(text, part="foresight", writer="foresight.py")
+    if args.plot:
+        name = "foresight" if args.group == BASE else f"foresight-{args.group}"
+        print(f"wrote {plot(base, rows, CURVES.parent / f'{name}.png')}")
+        update_readme(text, part=name, writer="foresight.py")
     return 0
 
 
