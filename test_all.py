@@ -3,8 +3,9 @@ without the tests that run several training processes: `pytest test_all.py -m "n
 
 Sharding tests run on 8 simulated CPU devices. Compiled functions are shared across tests where
 they can be (one tiny config, module-level fixtures), since JAX compiles are slow on 2 cores; and
-across processes (the train.py runs the tests start) through JAX's persistent compilation
-cache, in a directory of the system's temporary folder (SPIKEFIX_TEST_JAX_CACHE overrides it).
+across processes (the two pytest-xdist workers pytest.ini starts, the train.py runs the tests
+start) through JAX's persistent compilation cache, in a directory of the system's temporary
+folder (SPIKEFIX_TEST_JAX_CACHE overrides it). `-n 0` runs the tests in one process.
 """
 
 import dataclasses
