@@ -240,12 +240,31 @@ def train_members(cfg: TrainConfig, seeds, chunk: int = 50, eval_every: int = 25
     return arrays
 
 
-def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print) -> dict:
+def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print,
+                keep: pathlib.Path | None = None) -> dict:
     """Train every member of `g` (one compiled step per LR, the seeds vmapped in it); returns
-    per-member arrays in member_grid order."""
-    parts = [train_members(g.config(lr), g.seeds, chunk, eval_every,
-                           log=lambda s, lr=lr: log(f"{g.name} LR {lr:g}{s}"))
-             for lr in g.lrs]
+    per-member arrays in member_grid order. `keep`: a folder where each LR's arrays are saved as
+    it finishes and read back on the next call, so a group killed after some LRs goes on from
+    the next (a width of the proxy is hours)."""
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        settings, stored = keep / "settings.json", json.dumps(g.settings(), sort_keys=True)
+        if settings.exists() and settings.read_text() != stored:
+            raise UserError(f"{keep} holds LRs of another {g.name}: remove it to train anew")
+        settings.write_text(stored)
+    parts = []
+    for lr in g.lrs:
+        path = keep / f"lr{lr:g}.npz" if keep is not None else None
+        if path is not None and path.exists():
+            with np.load(path) as f:
+                parts.append(dict(f))
+            log(f"{g.name} LR {lr:g}: read back from {path}")
+            continue
+        parts.append(train_members(g.config(lr), g.seeds, chunk, eval_every,
+                                   log=lambda s, lr=lr: log(f"{g.name} LR {lr:g}{s}")))
+        if path is not None:
+            np.savez(path.with_suffix(".partial.npz"), **parts[-1])
+            path.with_suffix(".partial.npz").replace(path)
     arrays = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]
               if k not in ("eval_step", "seconds", "first_step", "chunk_seconds")}
     return arrays | {"eval_step": parts[0]["eval_step"], "first_step": parts[0]["first_step"],
@@ -561,11 +580,13 @@ def run(groups: list[Group]) -> None:
             members = [(g.lrs[0], s, a, i) for i, s in enumerate(g.seeds)]
             seconds = a["seconds"]
         else:
-            snap = functools.partial(save_snapshot, g.name)
-            a = train_group(g, log=lambda s: print(s, flush=True)) if not g.snapshot_every \
-                else train_members(g.config(), g.seeds, log=lambda s: print(s, flush=True),
-                                   snapshot_at=range(g.snapshot_every, g.steps,
-                                                     g.snapshot_every), snapshot=snap)
+            log = functools.partial(print, flush=True)
+            if g.snapshot_every:  # a fork's source: its state kept every snapshot_every steps
+                a = train_members(g.config(), g.seeds, log=log, snapshot_at=range(
+                    g.snapshot_every, g.steps, g.snapshot_every),
+                    snapshot=functools.partial(save_snapshot, g.name))
+            else:  # LR by LR, each kept as it finishes
+                a = train_group(g, log=log, keep=SNAPSHOTS / g.name)
             members = [(lr, s, a, i) for i, (lr, s) in enumerate(member_grid(g))]
             seconds = a["seconds"]
         (SEED_CURVES / g.name).mkdir(parents=True, exist_ok=True)
@@ -578,6 +599,8 @@ def run(groups: list[Group]) -> None:
                             "seeds": sorted({s for _, s, _, _ in members}),
                             "seconds": round(seconds), "machine": machine(),
                             "members": outcomes(g, members)})
+        for path in (SNAPSHOTS / g.name).glob("lr*.npz"):  # recorded: the kept LRs go
+            path.unlink()
         rows = [r for v in load()["groups"].values() for r in v["members"]]
         print(summary(rows), flush=True)
 

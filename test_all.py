@@ -3232,6 +3232,31 @@ def test_a_search_member_is_the_train_py_run_of_its_lr_and_seed(tmp_path):
         assert not np.array_equal(arrays["loss"][i], arrays["loss"][3 - i])  # members differ
 
 
+def test_a_group_killed_after_one_lr_goes_on_from_the_next(tmp_path, monkeypatch):
+    """A width of the proxy is hours of LRs: each LR's arrays are kept as it finishes, and the
+    next call reads them back and trains only the LRs left; another group's LRs are refused."""
+    import search as SE
+    g = SE.Group("kept", d_model=32, n_layers=2, steps=4, lrs=(1e-3, 3e-3), seeds=(0, 1))
+    trained = []
+
+    def fake(cfg, seeds, *args, **kw):
+        trained.append(cfg.optim.lr)
+        if len(trained) == 2:
+            raise KeyboardInterrupt  # killed during the second LR
+        return {"loss": np.full((2, 4), cfg.optim.lr), "eval_step": np.array([4]),
+                "first_step": np.int64(0), "seconds": 1.5}
+
+    monkeypatch.setattr(SE, "train_members", fake)
+    with pytest.raises(KeyboardInterrupt):
+        SE.train_group(g, log=lambda s: None, keep=tmp_path)
+    a = SE.train_group(g, log=lambda s: None, keep=tmp_path)
+    assert trained == [1e-3, 3e-3, 3e-3]  # the first LR was not trained again
+    np.testing.assert_array_equal(a["loss"][:, 0], [1e-3, 1e-3, 3e-3, 3e-3])
+    assert a["seconds"] == 3.0
+    with pytest.raises(SE.UserError, match="another kept"):
+        SE.train_group(dataclasses.replace(g, steps=8), log=lambda s: None, keep=tmp_path)
+
+
 def test_a_guarded_group_is_its_train_py_runs_and_a_second_run_reads_them(tmp_path,
                                                                           monkeypatch):
     import search as SE
