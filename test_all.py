@@ -880,6 +880,17 @@ def test_a_folder_or_glob_of_shards_is_one_stream_and_its_val_shards_are_never_t
     np.testing.assert_array_equal(glob.held_out_batches(), folder.held_out_batches())
 
 
+def test_the_embedded_corpus_is_the_stdlib_files_a_glob_finds_read_once_a_process():
+    """The walk that skips the test folders lists what the glob it replaced listed (the stored
+    runs trained on those bytes, in that order); the bytes are read once and cannot be written."""
+    import sysconfig
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    assert D.stdlib_files() == sorted(p for p in root.rglob("*.py")
+                                      if not D.STDLIB_SKIP & set(p.relative_to(root).parts))
+    corpus = D.load_tokens("")
+    assert corpus is D.load_tokens("") and not corpus.flags.writeable and corpus.size > 1e6
+
+
 @pytest.mark.slow
 def test_prepare_trains_a_bpe_and_writes_shards_that_train_with_a_validation_split(tmp_path,
                                                                                     capsys):
@@ -1016,21 +1027,21 @@ def planted_batch(self, step, rows=slice(None)):
 def planted_loss(params, tokens, cfg, **kw):
     loss, aux = loss_fn(params, tokens, cfg, **kw)
     hit = jnp.any(tokens[:, 0] == 255)  # (row 0 alone cannot be indexed on a sharded batch)
-    return loss + (0.0 if cfg.qk_norm else 1.0) * hit, aux
+    return loss + (0.0 if cfg.qk_norm else 2.0) * hit, aux
 D.TokenData.batch, T.loss_fn = planted_batch, planted_loss
 sys.exit(T.main(sys.argv[2:]))
 """
 
 
 # The guard's record of the planted shift (PLANTED_SHIFT_RUNNER, plant_guard_events): a spike
-# at 150, rolled back to the kept checkpoint 120 with batches 120-150 replaced; the same spike
+# at 90, rolled back to the kept checkpoint 60 with batches 60-90 replaced; the same spike
 # again, so rolled back again and escalated to QK-Norm (losses and logits left out: rounding
 # differs).
 PLANTED_SHIFT_EVENTS = [
-    {"rule": "spike", "event_step": 150, "trigger_step": 150, "action": "rollback",
-     "rollback_to": 120, "replaced_until": 151, "extra_steps": 31},
-    {"rule": "spike", "event_step": 150, "trigger_step": 150, "action": "escalate",
-     "rollback_to": 120, "replaced_until": 151, "extra_steps": 31, "escalation": "qk-norm",
+    {"rule": "spike", "event_step": 90, "trigger_step": 90, "action": "rollback",
+     "rollback_to": 60, "replaced_until": 91, "extra_steps": 31},
+    {"rule": "spike", "event_step": 90, "trigger_step": 90, "action": "escalate",
+     "rollback_to": 60, "replaced_until": 91, "extra_steps": 31, "escalation": "qk-norm",
      "rewarm_steps": 100}]
 
 
@@ -1039,13 +1050,13 @@ def test_the_guard_on_two_processes_takes_the_decisions_of_one(tmp_path):
     """One rollback and one escalation to QK-Norm on a 2-process loopback run (one CPU device
     each): the record one process writes (PLANTED_SHIFT_EVENTS, as the in-process test below
     finds), written by process 0 alone, and QK-Norm in the final checkpoint."""
-    flags = ["tiny", "--mesh.data", "2", "--steps", "180", "--checkpoint-every", "30",
-             "--keep-checkpoints", "20", "--eval-every", "180", "--guard", "--guard.escalate",
+    flags = ["tiny", "--mesh.data", "2", "--steps", "120", "--checkpoint-every", "30",
+             "--keep-checkpoints", "20", "--eval-every", "120", "--guard", "--guard.escalate",
              "qk-norm"]
     runner = tmp_path / "planted.py"
     runner.write_text(PLANTED_SHIFT_RUNNER)
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(runner), "150", *flags, "--run-dir",
+    procs = [subprocess.Popen([sys.executable, str(runner), "90", *flags, "--run-dir",
                                str(tmp_path / "two"), "--dist.coordinator", f"127.0.0.1:{port}",
                                "--dist.num-processes", "2", "--dist.process-id", str(i)],
                               cwd=HERE, env={**os.environ, "PYTHONPATH": str(HERE),
@@ -1063,9 +1074,9 @@ def test_the_guard_on_two_processes_takes_the_decisions_of_one(tmp_path):
         PLANTED_SHIFT_EVENTS
     for line in outs[1].splitlines():  # process 1 took each decision too (process 0 says it)
         assert not line.startswith("guard:"), line
-    cfg = dataclasses.replace(G.effective_config(tiny(steps=180), two),
+    cfg = dataclasses.replace(G.effective_config(tiny(steps=120), two),
                               run_dir=str(tmp_path / "two"))
-    assert "q_norm" in restore_final(cfg, 180)["params"]["layers"]
+    assert "q_norm" in restore_final(cfg, 120)["params"]["layers"]
 
 
 def free_port() -> int:
@@ -2045,7 +2056,7 @@ def test_the_guard_plan_rolls_back_past_the_margin_and_escalates_at_a_relapse():
 
 def plant_guard_events(monkeypatch, poison=(), shift_from=None):
     """Test-only data: the original batches of `poison` steps make the loss NaN (a replaced
-    batch is clean); from `shift_from` on, every batch adds 1 nat to the loss of a model
+    batch is clean); from `shift_from` on, every batch adds 2 nats to the loss of a model
     without QK-Norm (a level shift that only the escalation ends)."""
     batch, loss_fn = D.TokenData.batch, T.loss_fn
 
@@ -2059,7 +2070,7 @@ def plant_guard_events(monkeypatch, poison=(), shift_from=None):
 
     def planted_loss(params, tokens, cfg, **kw):
         loss, aux = loss_fn(params, tokens, cfg, **kw)
-        loss = loss + (0.0 if cfg.qk_norm else 1.0) * (tokens[0, 0] == 255)
+        loss = loss + (0.0 if cfg.qk_norm else 2.0) * (tokens[0, 0] == 255)
         return loss * jnp.where(tokens[0, 0] == 254, jnp.nan, 1.0), aux
     monkeypatch.setattr(D.TokenData, "batch", planted_batch)
     monkeypatch.setattr(T, "loss_fn", planted_loss)
@@ -2129,18 +2140,18 @@ class Killed(Exception):
 @pytest.mark.slow
 def test_the_guard_escalates_a_relapsing_shift_to_qk_norm_and_a_kill_changes_nothing(
         tmp_path, monkeypatch, capsys):
-    plant_guard_events(monkeypatch, shift_from=150)
+    plant_guard_events(monkeypatch, shift_from=90)
     runs = {}
     record = G.record
     # a kill after the bad path's checkpoints are deleted, before the rollback is recorded;
     # and one right after the escalation is recorded, before its QK-Norm is inserted
-    # (the killed runs start as the straight run was at step 120, its last checkpoint before
-    # the event: the same path, 120 steps shorter)
+    # (the killed runs start as the straight run was at step 60, the checkpoint it rolls back
+    # to: the same path, 60 steps shorter)
     for name, kill_at in (("straight", None), ("kill-rollback", (1, "before")),
                           ("kill-escalation", (2, "after"))):
         calls = []
         if kill_at:
-            as_at_step(tmp_path / "straight" / "run", tmp_path / name / "run", 120)
+            as_at_step(tmp_path / "straight" / "run", tmp_path / name / "run", 60)
 
         def killing(run_dir, event, calls=calls, kill_at=kill_at):
             calls.append(event)
@@ -2150,8 +2161,8 @@ def test_the_guard_escalates_a_relapsing_shift_to_qk_norm_and_a_kill_changes_not
             if kill_at == (len(calls), "after"):
                 raise Killed
         monkeypatch.setattr(G, "record", killing)
-        cfg = tiny(tmp_path / name, steps=180, checkpoint_every=20, keep_checkpoints=20,
-                   eval_every=180, guard__on=True, guard__escalate="qk-norm")
+        cfg = tiny(tmp_path / name, steps=120, checkpoint_every=20, keep_checkpoints=20,
+                   eval_every=120, guard__on=True, guard__escalate="qk-norm")
         killed = False
         try:
             T.train(cfg, devices=jax.devices()[:1])
@@ -2168,7 +2179,7 @@ def test_the_guard_escalates_a_relapsing_shift_to_qk_norm_and_a_kill_changes_not
     assert all(0 < e["max_logit"] < 1e3 for e in events)  # the signal when it acted
     m = R.read_metrics(tmp_path / "straight" / "run")
     after = m["loss"][m["step"] > events[1]["replaced_until"]]
-    assert after.max() < m["loss"][100:140].max() + 0.5  # no relapse: the planted nat is gone
+    assert after.max() < m["loss"][40:80].max() + 0.5  # no relapse: the planted nats are gone
     straight = final_state(runs["straight"])
     assert "q_norm" in straight["params"]["layers"]
     for name in ("kill-rollback", "kill-escalation"):
@@ -2177,13 +2188,13 @@ def test_the_guard_escalates_a_relapsing_shift_to_qk_norm_and_a_kill_changes_not
     # every tool reads the escalated model (config.json does not have it; events.jsonl does)
     run = tmp_path / "straight" / "run"
     cfg, step = CF.load_checkpointed(run, None)
-    assert cfg.model.qk_norm and step == 180
+    assert cfg.model.qk_norm and step == 120
     assert S.main([str(run), "--prompt", "ab", "--max-new-tokens", "4"]) == 0
     assert W.main(["--from", str(run), "--to", str(tmp_path / "w"), "--no-train"]) == 2
     assert "its guard inserted it" in capsys.readouterr().err
     # --resume-step to before the escalation: its record goes aside with the later checkpoints
     # (no KeyError), and the plain command goes on from there
-    cfg = dataclasses.replace(runs["straight"], resume_step=100)
+    cfg = dataclasses.replace(runs["straight"], resume_step=40)
     T.train(cfg, devices=jax.devices()[:1])
     (aside,) = run.glob("events.superseded-*.jsonl")
     assert [json.loads(x) for x in aside.read_text().splitlines()] == events
