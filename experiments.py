@@ -844,6 +844,38 @@ def plot_sweep(record: dict, out: pathlib.Path) -> pathlib.Path:
     return save_figure(fig, out / "lr_sweep.png", dpi=100)
 
 
+def plot_widths(record: dict, out: pathlib.Path) -> pathlib.Path:
+    """results/widths.png, Wortsman et al.'s Fig. 1 at CPU scale: per width, held-out loss at
+    the end and the max attention logit against the LR, without QK-Norm (solid) and with it
+    (dashed); mean over seeds (a non-finite run leaves its LR out); crosses: LRs where at least
+    half the seeds had a level shift or went non-finite."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    widths = sorted({r["width"] for r in width_rows(record)})
+    for r in width_rows(record):
+        color = f"C{widths.index(r['width'])}"
+        style = "--" if r["qk_norm"] else "-"
+        label = f"d_model {r['width']}{', QK-Norm' if r['qk_norm'] else ''}"
+        for ax, y in zip(axes, ([np.mean(r["final"][lr]) for lr in r["lrs"]],
+                                [r["max_logit"][lr] for lr in r["lrs"]])):
+            ax.plot(r["lrs"], y, style, color=color, marker="o", ms=3, label=label)
+            broke = [(lr, v) for lr, v in zip(r["lrs"], y) if np.mean(r["broke"][lr]) >= 0.5
+                     and np.isfinite(v)]
+            if broke:
+                ax.plot(*zip(*broke), "x", color=color, ms=8)
+    axes[0].set_ylabel("held-out loss at the end (nats/byte)")
+    axes[1].set_ylabel("max |attn logit| over the run")
+    axes[1].set_yscale("log")
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xlabel("peak learning rate")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    axes[0].set_title("LR sweep per width (3 seeds; x: level shifts in >= half the seeds)",
+                      fontsize=9)
+    return save_figure(fig, out / "widths.png", dpi=100)
+
+
 def plot_levers(record: dict, out: pathlib.Path) -> pathlib.Path:
     """results/levers.png: per lever, each seed's train loss (EMA 20) beside the baseline's
     (grey) and QK-Norm's (dashed); level shifts as crosses."""
@@ -1201,7 +1233,7 @@ def harness_tables(args: Args) -> None:
             (args.sweep, sweep_markdown, "lr-sweep", plot_sweep),
             (args.evidence, lambda r: evidence_markdown(evidence), "evidence",
              lambda r, out: plot_evidence(evidence, out)),
-            (args.widths, widths_markdown, "widths", None)):
+            (args.widths, widths_markdown, "widths", plot_widths)):
         if not flag:
             continue
         print(table := text(record))

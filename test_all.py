@@ -3435,6 +3435,7 @@ def test_the_widths_table_finds_the_best_and_the_break_lr_per_width(tmp_path, mo
     text = EX.widths_markdown(record)
     assert "| 32 | no | 0.01 | yes | 0.1 | 1.0 |" in text
     assert "| 32 | yes | 0.001 | no: at the edge of the grid | none in the grid | — |" in text
+    assert EX.plot_widths(record, tmp_path).name == "widths.png"  # the figure draws them
 
 
 def test_foresight_measures_a_planted_warning_and_its_absence():
