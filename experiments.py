@@ -789,6 +789,7 @@ def width_rows(record: dict) -> list[dict]:
         rows.append({"width": g.d_model, "qk_norm": g.qk_norm, "lrs": lrs, "final": final,
                      "broke": broke, "best_lr": best,
                      "bracketed": lrs[0] < best < lrs[-1],
+                     "cpu": record["groups"][g.name].get("machine", {}).get("cpu"),
                      "break_lr": brk, "decades": math.log10(brk / best) if brk else None,
                      "sensitivity": sens,
                      "max_logit": {lr: max(m["max_attn_logit"] for m in by_lr[lr])
@@ -1175,6 +1176,16 @@ def rerun(name: str, seed: int, log=print) -> list[tuple[str, float, tuple, tupl
     return out
 
 
+def write_results_json(part: dict) -> None:
+    """results/results.json with `part`'s keys (re)written and the other keys kept: the
+    train.py rows and the width sweep are written by different commands."""
+    path = RESULTS / "results.json"
+    RESULTS.mkdir(exist_ok=True)
+    out = json.loads(path.read_text()) if path.exists() else {}
+    path.with_suffix(".partial").write_text(strict_json(out | part, indent=1) + "\n")
+    path.with_suffix(".partial").replace(path)
+
+
 def write_results(seeds: list[int]) -> None:
     rows, metrics = collect(seeds)
     if not rows:
@@ -1185,7 +1196,7 @@ def write_results(seeds: list[int]) -> None:
     events = mechanism(metrics.get("baseline", {}))
     out = {"machine": machine(), "seeds": seeds, "runs_wall_s_total": sum(wall), "rows": rows,
            "baseline_events": events}
-    (RESULTS / "results.json").write_text(strict_json(out, indent=1) + "\n")
+    write_results_json(out)
     paths = figures(metrics, rows, RESULTS)
     text = table(rows, seeds)
     if events:
@@ -1242,6 +1253,9 @@ def harness_tables(args: Args) -> None:
                 print(f"wrote {figure(record, RESULTS)}")
             update_readme(table, part=part)
             print(f"wrote the table in {RESULTS}/README.md")
+            if part == "widths":
+                write_results_json({"widths": width_rows(record)})
+                print(f"wrote the width sweep's rows in {RESULTS}/results.json (\"widths\")")
 
 
 @command

@@ -3436,6 +3436,12 @@ def test_the_widths_table_finds_the_best_and_the_break_lr_per_width(tmp_path, mo
     assert "| 32 | no | 0.01 | yes | 0.1 | 1.0 |" in text
     assert "| 32 | yes | 0.001 | no: at the edge of the grid | none in the grid | — |" in text
     assert EX.plot_widths(record, tmp_path).name == "widths.png"  # the figure draws them
+    monkeypatch.setattr(EX, "RESULTS", tmp_path)  # results.json: the sweep beside the rows
+    (tmp_path / "results.json").write_text('{"rows": {"baseline": 1}}')
+    EX.write_results_json({"widths": EX.width_rows(record)})
+    stored = json.loads((tmp_path / "results.json").read_text())
+    assert stored["rows"] == {"baseline": 1} and stored["widths"][0]["break_lr"] == 1e-1
+    assert stored["widths"][0]["final"]["1.0"] == [None] * 3  # diverged: null, not NaN
 
 
 def test_foresight_measures_a_planted_warning_and_its_absence():
