@@ -2883,12 +2883,14 @@ def test_the_olmo_2_spike_score_counts_the_planted_spikes():
 
     def brute(x, window, sigma):  # the rule restated, one step at a time
         hits = scored = 0
-        for i in range(len(x)):
-            prev = [v for v in x[:i] if np.isfinite(v)][-window:]
-            if len(prev) < window:
-                continue
-            scored += 1
-            hits += not np.isfinite(x[i]) or x[i] > np.mean(prev) + sigma * np.std(prev, ddof=1)
+        finite = []  # the finite values before this step
+        for v in x:
+            prev = finite[-window:]
+            if len(prev) == window:
+                scored += 1
+                hits += not np.isfinite(v) or v > np.mean(prev) + sigma * np.std(prev, ddof=1)
+            if np.isfinite(v):
+                finite.append(v)
         return hits / scored
     y = x[:700].copy()
     y[[300, 302, 310]] += [1.0, 2.0, 0.5]  # spikes close together: each raises the next's bar
