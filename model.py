@@ -399,8 +399,10 @@ def loss_fn(params: dict, tokens_BT1, cfg: ModelConfig, head_stats: bool = False
     """Next-token cross-entropy plus z-loss over a [B, T+1] token batch.
 
     z-loss, weight * logsumexp(logits)**2, keeps the output logits from drifting (PaLM; Marin
-    1e-4, OLMo 2 1e-5). Returns (loss, aux) with aux = {ce, z_loss, attn_logit_max [L]} (and
-    attn_logit_max_per_head [L, N] with `head_stats`).
+    1e-4, OLMo 2 1e-5). Returns (loss, aux) with aux = {ce, z_loss, attn_logit_max [L],
+    out_logit_max, log_z} (and attn_logit_max_per_head [L, N] with `head_stats`): the largest
+    |output logit| and the mean log-normaliser, where the output-logit divergence shows
+    (Wortsman et al., 2309.14322, §3.2: without z-loss log Z drifts far from 0).
     """
     inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
     logits_BTV, stats = forward(params, inputs_BT, cfg, head_stats)
@@ -408,4 +410,5 @@ def loss_fn(params: dict, tokens_BT1, cfg: ModelConfig, head_stats: bool = False
     target_logit_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
     ce = jnp.mean(lse_BT - target_logit_BT)
     z_loss = cfg.z_loss_weight * jnp.mean(lse_BT**2)
-    return ce + z_loss, {"ce": ce, "z_loss": z_loss, **stats}
+    return ce + z_loss, {"ce": ce, "z_loss": z_loss, **stats, "log_z": jnp.mean(lse_BT),
+                         "out_logit_max": jnp.max(jnp.abs(logits_BTV))}

@@ -172,7 +172,8 @@ def member_grid(g: Group) -> list[tuple[float, int]]:
 
 # What a member's stored curve keeps of the step's metrics: the headline series in float32 (the
 # event rules read them), the per-layer series in float16 (figures and early-warning signals).
-CURVE_F32 = ("loss", "grad_norm", "update_norm", "attn_logit_max", "skipped")
+CURVE_F32 = ("loss", "grad_norm", "update_norm", "attn_logit_max", "skipped", "out_logit_max",
+             "log_z")
 
 
 def one_device_mesh():

@@ -180,6 +180,22 @@ def test_the_marin_32b_preset_has_32b_parameters():
     assert 31e9 < M.count_params(cfg) < 34e9  # "32B"
 
 
+def test_the_output_logit_statistics_are_those_of_the_logits():
+    """The output-logit divergence's two statistics (Wortsman et al. §3.2): the largest |logit|
+    and the mean log-normaliser over the batch, from forward's logits restated in NumPy."""
+    cfg = dataclasses.replace(TINY.model, init_std=0.5)
+    params = M.init_params(cfg, jax.random.key(1))
+    tokens = np.random.default_rng(3).integers(0, 256, (2, 33)).astype(np.int32)
+    with jax.set_mesh(mesh_of(1, 1)):
+        _, aux = jax.jit(lambda p, x: M.loss_fn(p, x, cfg))(params, tokens)
+        logits = np.asarray(jax.jit(lambda p, x: M.forward(p, x, cfg)[0])(params, tokens[:, :-1]),
+                            np.float64)
+    log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    assert float(aux["out_logit_max"]) == pytest.approx(np.abs(logits).max(), rel=1e-5)
+    assert float(aux["log_z"]) == pytest.approx(log_z.mean(), rel=1e-5)
+    assert abs(float(aux["log_z"])) > 1  # not a zero that would pass any restatement
+
+
 def test_the_max_attention_logit_counts_causal_entries_only():
     """Layer 0's statistic equals the max |q.k|/sqrt(H) over the entries attention uses, and
     the masked future entries (larger here) do not count."""
