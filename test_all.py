@@ -1030,6 +1030,12 @@ def test_fsdp_puts_an_eighth_of_the_state_on_each_of_8_devices(capsys):
 
 # A train.py run with a planted level shift from step SHIFT on (a model without QK-Norm pays 1
 # nat on every batch from there), for runs in other processes: python - SHIFT [train.py flags].
+# The tests that train on 2 processes (gloo collectives over loopback) run one after another
+# in one pytest-xdist worker (pytest.ini: --dist loadgroup): two such runs at once on 2 cores
+# wait on each other's collectives.
+TWO_PROCESSES = pytest.mark.xdist_group("two-processes")
+
+
 PLANTED_SHIFT_RUNNER = """
 import sys
 import jax.numpy as jnp
@@ -1062,6 +1068,7 @@ PLANTED_SHIFT_EVENTS = [
 
 
 @pytest.mark.slow
+@TWO_PROCESSES
 def test_the_guard_on_two_processes_takes_the_decisions_of_one(tmp_path):
     """One rollback and one escalation to QK-Norm on a 2-process loopback run (one CPU device
     each): the record one process writes (PLANTED_SHIFT_EVENTS, as the in-process test below
@@ -1144,6 +1151,7 @@ def preempt_one_of_two(flags: list[str], after_step: int) -> list[str]:
 
 
 @pytest.mark.slow
+@TWO_PROCESSES
 def test_a_checkpoint_failure_on_one_process_stops_the_other_within_seconds(tmp_path):
     """Process 1's checkpoint write fails (a planted full disk, via sitecustomize): it says so
     in one line and tells process 0, which stops in one line too, seconds later, instead of
@@ -1179,6 +1187,7 @@ def test_a_checkpoint_failure_on_one_process_stops_the_other_within_seconds(tmp_
 
 
 @pytest.mark.slow
+@TWO_PROCESSES
 def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
     """2 processes x 2 CPU devices (gloo collectives) train tiny on a 4x1 mesh: process 0
     alone logs, and the losses are those of 1 process with 4 devices (the first 6 steps: their
