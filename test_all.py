@@ -2511,8 +2511,10 @@ def wandb_records(run_dir: pathlib.Path) -> list:
 
 
 @pytest.mark.slow
-def test_a_warm_started_run_rewarms_and_learns(warm_started):
+def test_a_warm_started_run_rewarms_and_learns(warm_started, tmp_path):
     src_cfg, cfg, _ = warm_started
+    shutil.copytree(cfg.run_dir, tmp_path / "new")  # trained on here: the fixture's run stays
+    cfg = dataclasses.replace(cfg, run_dir=str(tmp_path / "new"))  # as converted for the others
     tracked = dataclasses.replace(cfg, wandb=TR.WandbConfig(project="spikefix-tests",
                                                             mode="offline"))
     last = T.train(tracked, devices=jax.devices())  # on the 4x2 mesh it was converted onto
