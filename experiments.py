@@ -222,7 +222,13 @@ WIDTH_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
 WIDTH_ROWS = [g for d in WIDTHS for base in [dataclasses.replace(
     STORY, name=f"width{d}", d_model=d, n_heads=d // 16, n_kv_heads=d // 32, lrs=WIDTH_LRS,
     seeds=(0, 1, 2), compare_with=f"width{d}-qk")] for g in (base, twin(base))]
-HARNESS_ROWS = {g.name: g for g in (*LEVERS, *SWEEP, *EVIDENCE_GROUPS, *WIDTH_ROWS)}
+# The second instability (Wortsman et al. §3.2, output-logit divergence): d_model 32 around its
+# break (0.1, 0.3, 1), z-loss off against on (1e-4), with and without QK-Norm; the step reports
+# the output logits' max |logit| and mean log Z. Declared, to be run (~25 core-min a group).
+ZLOSS_ROWS = [g for z in (0.0, 1e-4) for base in [dataclasses.replace(
+    WIDTH_ROWS[0], name=f"zloss{z:g}-width32", lrs=(0.1, 0.3, 1.0), z_loss_weight=z,
+    compare_with=f"zloss{z:g}-width32-qk")] for g in (base, twin(base))]
+HARNESS_ROWS = {g.name: g for g in (*LEVERS, *SWEEP, *EVIDENCE_GROUPS, *WIDTH_ROWS, *ZLOSS_ROWS)}
 register(*HARNESS_ROWS.values())
 
 
