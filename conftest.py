@@ -1,5 +1,5 @@
-"""The slow tests first: pytest-xdist's load scheduling then hands them out one by one while the
-fast ones fill the end, instead of one worker finishing a long test alone."""
+"""The slow tests first: pytest-xdist's load scheduling then hands them out one at a time and
+the fast ones fill the end (pytest.ini gives the measured times)."""
 
 
 def pytest_collection_modifyitems(items):
