@@ -858,8 +858,9 @@ def plot_widths(record: dict, out: pathlib.Path) -> pathlib.Path:
     half the seeds had a level shift or went non-finite."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-    widths = sorted({r["width"] for r in width_rows(record)})
-    for r in width_rows(record):
+    rows = width_rows(record)
+    widths = sorted({r["width"] for r in rows})
+    for r in rows:
         color = f"C{widths.index(r['width'])}"
         style = "--" if r["qk_norm"] else "-"
         label = f"d_model {r['width']}{', QK-Norm' if r['qk_norm'] else ''}"

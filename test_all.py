@@ -1028,14 +1028,14 @@ def test_fsdp_puts_an_eighth_of_the_state_on_each_of_8_devices(capsys):
     assert f"{arithmetic / 2**30:.3f} GiB per device" in capsys.readouterr().out
 
 
-# A train.py run with a planted level shift from step SHIFT on (a model without QK-Norm pays 1
-# nat on every batch from there), for runs in other processes: python - SHIFT [train.py flags].
 # The tests that train on 2 processes (gloo collectives over loopback) run one after another
 # in one pytest-xdist worker (pytest.ini: --dist loadgroup): two such runs at once on 2 cores
 # wait on each other's collectives.
 TWO_PROCESSES = pytest.mark.xdist_group("two-processes")
 
 
+# A train.py run with a planted level shift from step SHIFT on (a model without QK-Norm pays 2
+# nats on every batch from there), for runs in other processes: python - SHIFT [train.py flags].
 PLANTED_SHIFT_RUNNER = """
 import sys
 import jax.numpy as jnp
