@@ -821,6 +821,83 @@ def widths_markdown(record: dict) -> str:
     return "\n".join(lines)
 
 
+def zloss_rows(record: dict) -> list[dict]:
+    """Per z-loss group run so far and LR (Wortsman et al. §3.2): the seeds' held-out loss at
+    the end (NaN where the run went non-finite), how many had a level shift or went non-finite,
+    and from the stored curves the largest |output logit| over the run and the mean log Z over
+    the last 100 finite steps; the largest attention logit."""
+    rows = []
+    for g in ZLOSS_ROWS:
+        if g.name not in record["groups"]:
+            continue
+        by_lr: dict = {}
+        for m in sorted(record["groups"][g.name]["members"], key=lambda m: m["seed"]):
+            by_lr.setdefault(m["lr"], []).append(m)
+        for lr, ms in sorted(by_lr.items()):
+            curves = [np.load(search.SEED_CURVES / g.name / f"lr{lr:g}-seed{m['seed']}.npz")
+                      for m in ms]
+            log_z = [c["log_z"][np.isfinite(c["log_z"])][-100:] for c in curves]
+            rows.append({
+                "z_loss": g.z_loss_weight, "qk_norm": g.qk_norm, "lr": lr,
+                "cpu": record["groups"][g.name].get("machine", {}).get("cpu"),
+                "final": [m["eval_loss"][-1] if m["finite"] else math.nan for m in ms],
+                "broke": sum(bool(m["shift_steps"]) or not m["finite"] for m in ms),
+                "out_logit_max": [float(np.nanmax(c["out_logit_max"])) for c in curves],
+                "log_z_end": [float(np.mean(z)) if len(z) else math.nan for z in log_z],
+                "max_attn_logit": [m["max_attn_logit"] for m in ms]})
+    return rows
+
+
+def finite_mean(xs: list[float]) -> str:
+    """The mean of the finite values, or a dash when there are none."""
+    f = [x for x in xs if math.isfinite(x)]
+    return f"{np.mean(f):.2f}" if f else "—"
+
+
+def zloss_markdown(record: dict) -> str:
+    rows = zloss_rows(record)
+    if not rows:
+        return "no z-loss group run yet (python experiments.py zloss0-width32 ...)"
+    lines = ["| z-loss | QK-Norm | LR | held-out at the end, mean (lowest, highest seed) | "
+             "level shift or non-finite | max \\|output logit\\| | log Z, last 100 steps "
+             "(mean over seeds) | max \\|attn logit\\| |", "|---" * 8 + "|"]
+    for r in rows:
+        f = np.asarray(r["final"])
+        held = (f"{np.mean(f):.3f} ({np.min(f):.3f}, {np.max(f):.3f})" if np.all(np.isfinite(f))
+                else f"{int(np.sum(~np.isfinite(f)))} of {len(f)} non-finite")
+        lines.append(f"| {r['z_loss']:g} | {'yes' if r['qk_norm'] else 'no'} | {r['lr']:g} | "
+                     f"{held} | {r['broke']} of {len(f)} | {np.nanmax(r['out_logit_max']):.3g} | "
+                     f"{finite_mean(r['log_z_end'])} | {np.nanmax(r['max_attn_logit']):.3g} |")
+    return "\n".join(lines)
+
+
+def plot_zloss(record: dict, out: pathlib.Path) -> pathlib.Path:
+    """results/zloss.png: held-out loss at the end and the largest |output logit| against the
+    LR, z-loss off (solid) and on (dashed), without and with QK-Norm (colour); mean over the
+    finite seeds."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    rows = zloss_rows(record)
+    for (z, qk) in sorted({(r["z_loss"], r["qk_norm"]) for r in rows}):
+        arm = [r for r in rows if (r["z_loss"], r["qk_norm"]) == (z, qk)]
+        label = f"z-loss {z:g}{', QK-Norm' if qk else ''}"
+        for ax, key in zip(axes, ("final", "out_logit_max")):
+            y = [np.mean(v) if len(v := [x for x in r[key] if math.isfinite(x)]) else np.nan
+                 for r in arm]
+            ax.plot([r["lr"] for r in arm], y, "--" if z else "-", color=f"C{int(qk)}",
+                    marker="o", ms=3, label=label)
+    axes[0].set_ylabel("held-out loss at the end (nats/byte)")
+    axes[1].set_ylabel("max |output logit| over the run")
+    axes[1].set_yscale("log")
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xlabel("peak learning rate")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    axes[0].set_title("d_model 32 around its break: z-loss off and on (3 seeds)", fontsize=9)
+    return save_figure(fig, out / "zloss.png", dpi=100)
+
+
 def plot_sweep(record: dict, out: pathlib.Path) -> pathlib.Path:
     """results/lr_sweep.png: held-out loss at the end against the LR, without and with
     QK-Norm (mean over seeds, bars from the lowest to the highest seed); the max logit."""
@@ -1227,6 +1304,7 @@ class Args:
     sweep: bool = False  # the LR sweep and its LR sensitivity
     evidence: bool = False  # the 8-seed rates with intervals
     widths: bool = False  # Wortsman's proxy across widths: best and break LR per width
+    zloss: bool = False  # the output-logit divergence at d_model 32: z-loss off against on
     plot: bool = False  # with a table flag: its figure, and the table into results/README.md
     rerun: str = ""  # train one stored member of this evidence row again (with --seed)
     seed: int = 0  # the seed --rerun trains again
@@ -1251,7 +1329,8 @@ def harness_tables(args: Args) -> None:
             (args.sweep, sweep_markdown, "lr-sweep", plot_sweep),
             (args.evidence, lambda r: evidence_markdown(evidence), "evidence",
              lambda r, out: plot_evidence(evidence, out)),
-            (args.widths, widths_markdown, "widths", plot_widths)):
+            (args.widths, widths_markdown, "widths", plot_widths),
+            (args.zloss, zloss_markdown, "zloss", plot_zloss)):
         if not flag:
             continue
         print(table := text(record))
@@ -1260,15 +1339,16 @@ def harness_tables(args: Args) -> None:
                 print(f"wrote {figure(record, RESULTS)}")
             update_readme(table, part=part)
             print(f"wrote the table in {RESULTS}/README.md")
-            if part == "widths":
-                write_results_json({"widths": width_rows(record)})
-                print(f"wrote the width sweep's rows in {RESULTS}/results.json (\"widths\")")
+            if rows := {"widths": width_rows, "zloss": zloss_rows}.get(part):
+                key = "widths" if part == "widths" else "widths_zloss"
+                write_results_json({key: rows(record)})
+                print(f"wrote the rows in {RESULTS}/results.json ({key!r})")
 
 
 @command
 def main(argv: list[str]) -> int:
     args = parse(Args, argv, description=__doc__)
-    if args.levers or args.sweep or args.evidence or args.widths or args.rerun:
+    if args.levers or args.sweep or args.evidence or args.widths or args.zloss or args.rerun:
         harness_tables(args)
         return 0
     names = list(args.names)

@@ -3473,6 +3473,52 @@ def test_the_widths_table_finds_the_best_and_the_break_lr_per_width(tmp_path, mo
     assert stored["widths"][0]["final"]["1.0"] == [None] * 3  # diverged: null, not NaN
 
 
+def test_the_zloss_table_reads_the_output_logits_from_the_stored_curves(tmp_path, monkeypatch):
+    """Planted z-loss members at d_model 32: z-loss off, LR 1, seed 2 goes non-finite at step
+    150 of 200 (its log Z is the mean of the last 100 finite steps, 50-149; its max |output
+    logit| the largest before the NaNs); the table and results.json take them as planted: log Z
+    over the seeds (-149.5 - 150.5 - 101.5) / 3."""
+    import experiments as EX
+    import search as SE
+    monkeypatch.setattr(SE, "SEED_CURVES", tmp_path)
+    record = {"groups": {}}
+    for z, qk in ((0.0, False), (0.0, True), (1e-4, False)):
+        name = f"zloss{z:g}-width32{'-qk' if qk else ''}"
+        (tmp_path / name).mkdir()
+        members = []
+        for lr in (0.1, 1.0):
+            for s in range(3):
+                diverged = (z, qk, lr, s) == (0.0, False, 1.0, 2)
+                log_z = -np.arange(200.0) * lr * (1 if z == 0 else 0.01) - s
+                out = np.full(200, 10.0 * (s + 1) * lr)
+                out[7] = 1000.0 * lr if z == 0 else out[7]
+                if diverged:
+                    log_z[150:], out[150:] = np.nan, np.nan
+                np.savez(tmp_path / name / f"lr{lr:g}-seed{s}.npz", log_z=log_z,
+                         out_logit_max=out)
+                members.append({"lr": lr, "seed": s, "finite": not diverged,
+                                "eval_loss": [5.0, 2.0 + lr + s / 10], "max_attn_logit": 50.0 + s,
+                                "shift_steps": [120] if lr == 1.0 and not qk else []})
+        record["groups"][name] = {"members": members, "machine": {"cpu": "planted"}}
+    rows = {(r["z_loss"], r["qk_norm"], r["lr"]): r for r in EX.zloss_rows(record)}
+    assert len(rows) == 6
+    off = rows[0.0, False, 1.0]
+    assert off["broke"] == 3 and np.isnan(off["final"][2]) and off["final"][0] == 3.0
+    assert off["out_logit_max"] == [1000.0] * 3
+    assert off["log_z_end"][2] == pytest.approx(-np.mean(np.arange(50, 150)) - 2)
+    assert off["log_z_end"][0] == pytest.approx(-np.mean(np.arange(100, 200)))
+    on = rows[1e-4, False, 0.1]
+    assert on["out_logit_max"] == pytest.approx([1.0, 2.0, 3.0]) and on["broke"] == 0
+    text = EX.zloss_markdown(record)
+    assert "| 0 | no | 1 | 1 of 3 non-finite | 3 of 3 | 1e+03 | -133.83 | 52 |" in text
+    assert "| 0.0001 | no | 0.1 | 2.200 (2.100, 2.300) | 0 of 3 | 3 | -1.15 | 52 |" in text
+    assert EX.plot_zloss(record, tmp_path).name == "zloss.png"
+    monkeypatch.setattr(EX, "RESULTS", tmp_path)
+    EX.write_results_json({"widths_zloss": EX.zloss_rows(record)})
+    stored = json.loads((tmp_path / "results.json").read_text())["widths_zloss"]
+    assert len(stored) == 6 and stored[1]["final"][2] is None  # the non-finite seed: null
+
+
 def test_foresight_measures_a_planted_warning_and_its_absence():
     """foresight.py on planted series: the AUROC equals the pairwise count; a signal that rises
     100 steps before each planted episode is caught with a lead of 100 and its alarms are all
