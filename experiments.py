@@ -769,8 +769,8 @@ def width_rows(record: dict) -> list[dict]:
     """Per width and arm run so far: per LR the seeds' held-out loss at the end (NaN where the
     run went non-finite) and whether each had a level shift (or went non-finite); the best LR
     (the lowest mean held-out), whether the grid brackets it, the break LR (the lowest LR with a
-    level shift in at least half the seeds), their distance in decades, and Wortsman's LR
-    sensitivity per seed over the grid."""
+    level shift in at least half the seeds), their distance in decades, each seed's own best
+    and break LR (their spread over seeds), and Wortsman's LR sensitivity per seed."""
     rows = []
     for g in WIDTH_ROWS:
         if g.name not in record["groups"]:
@@ -788,6 +788,8 @@ def width_rows(record: dict) -> list[dict]:
         best = lrs[int(np.argmin(means))]
         brk = next((lr for lr in lrs if np.mean(broke[lr]) >= 0.5), None)
         seeds = [m["seed"] for m in by_lr[lrs[0]]]
+        per_seed = [{lr: final[lr][i] if np.isfinite(final[lr][i]) else math.inf for lr in lrs}
+                    for i in range(len(seeds))]
         initial = [float(np.load(search.SEED_CURVES / g.name / f"lr{lrs[0]:g}-seed{s}.npz")
                          ["loss"][0]) for s in seeds]  # the first step's train loss
         sens = [lr_sensitivity({lr: final[lr][i] for lr in lrs}, initial[i])
@@ -797,6 +799,9 @@ def width_rows(record: dict) -> list[dict]:
                      "bracketed": lrs[0] < best < lrs[-1],
                      "cpu": record["groups"][g.name].get("machine", {}).get("cpu"),
                      "break_lr": brk, "decades": math.log10(brk / best) if brk else None,
+                     "best_lr_seeds": [min(f, key=f.get) for f in per_seed],
+                     "break_lr_seeds": [next((lr for lr in lrs if broke[lr][i]), None)
+                                        for i in range(len(seeds))],
                      "sensitivity": sens,
                      "max_logit": {lr: max(m["max_attn_logit"] for m in by_lr[lr])
                                    for lr in lrs}})
@@ -807,18 +812,54 @@ def widths_markdown(record: dict) -> str:
     rows = width_rows(record)
     if not rows:
         return "no width of the proxy run yet (python experiments.py width32 width32-qk ...)"
-    lines = ["| d_model | QK-Norm | best LR | bracketed | break LR (level shifts in >= half "
-             "the seeds) | best to break, decades | LR sensitivity, mean [95% interval] |",
-             "|---" * 7 + "|"]
+    lines = ["| d_model | QK-Norm | best LR (each seed's) | bracketed | break LR: level shifts "
+             "in >= half the seeds (each seed's first) | best to break, decades | "
+             "LR sensitivity, mean [95% interval] |", "|---" * 7 + "|"]
     for r in rows:
         lo, hi = bootstrap(r["sensitivity"])
         lines.append(
-            f"| {r['width']} | {'yes' if r['qk_norm'] else 'no'} | {r['best_lr']:g} | "
+            f"| {r['width']} | {'yes' if r['qk_norm'] else 'no'} | {r['best_lr']:g} "
+            f"({', '.join(format(x, 'g') for x in r['best_lr_seeds'])}) | "
             f"{'yes' if r['bracketed'] else 'no: at the edge of the grid'} | "
-            f"{'none in the grid' if r['break_lr'] is None else format(r['break_lr'], 'g')} | "
-            f"{'—' if r['decades'] is None else format(r['decades'], '.1f')} | "
+            f"{'none in the grid' if r['break_lr'] is None else format(r['break_lr'], 'g')} "
+            f"({', '.join('none' if x is None else format(x, 'g') for x in r['break_lr_seeds'])})"
+            f" | {'—' if r['decades'] is None else format(r['decades'], '.1f')} | "
             f"{np.mean(r['sensitivity']):.3f} [{lo:.3f}, {hi:.3f}] |")
-    return "\n".join(lines)
+    return "\n".join(lines + [""] + widths_answer(rows))
+
+
+def widths_answer(rows: list[dict]) -> list[str]:
+    """The issue's three questions, read off the rows (a break beyond the grid counts as above
+    it): does the break LR fall as the width grows, does the best-to-break distance shrink,
+    does QK-Norm move the break LR up at every width?"""
+    def brk(r):
+        return math.inf if r["break_lr"] is None else r["break_lr"]
+
+    def show(x, fmt):
+        return "none" if x in (None, math.inf) else format(x, fmt)
+    out = []
+    for qk in (False, True):
+        arm = sorted((r for r in rows if r["qk_norm"] == qk), key=lambda r: r["width"])
+        if len(arm) < 2:
+            continue
+        gaps = [math.inf if r["decades"] is None else r["decades"] for r in arm]
+        falls = all(brk(b) < brk(a) for a, b in zip(arm, arm[1:]))
+        shrinks = all(b < a for a, b in zip(gaps, gaps[1:]))
+        by_width = ", ".join(f"{r['width']}: {show(r['break_lr'], 'g')}" for r in arm)
+        out.append(
+            f"- {'with' if qk else 'without'} QK-Norm: the break LR by width {by_width} "
+            f"({'falls' if falls else 'does not fall'} at every step); best to break in "
+            f"decades {', '.join(show(x, '.1f') for x in gaps)} "
+            f"({'shrinks' if shrinks else 'does not shrink'} at every step).")
+    pairs: dict = {}
+    for r in rows:
+        pairs.setdefault(r["width"], {})[r["qk_norm"]] = r
+    both = [w for w in sorted(pairs) if len(pairs[w]) == 2]
+    if both:
+        up = [w for w in both if brk(pairs[w][True]) > brk(pairs[w][False])]
+        out.append(f"- QK-Norm moves the break LR up at {len(up)} of {len(both)} widths "
+                   f"({', '.join(map(str, up)) or 'none'}).")
+    return out
 
 
 def zloss_rows(record: dict) -> list[dict]:

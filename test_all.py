@@ -3434,36 +3434,44 @@ def project_imports(name: str) -> tuple[set, set]:
 def test_the_widths_table_finds_the_best_and_the_break_lr_per_width(tmp_path, monkeypatch):
     """Planted width-32 members: the held-out loss is lowest at 1e-2 (inside the grid), the
     level shifts come in 2 of 3 seeds from 1e-1 on (1 of 3 at 3e-2), so the break LR is 0.1, one
-    decade above the best; with QK-Norm nothing breaks and the best is the grid's edge."""
+    decade above the best; with QK-Norm nothing breaks and the best is the grid's edge. Width 64
+    breaks in every seed from 3e-2: its break falls and comes closer to the best."""
     import experiments as EX
     import search as SE
     monkeypatch.setattr(SE, "SEED_CURVES", tmp_path)
     grid = (1e-3, 1e-2, 3e-2, 1e-1, 1.0)
     loss = {1e-3: 2.3, 1e-2: 1.9, 3e-2: 2.0, 1e-1: 2.4, 1.0: None}
 
-    def member(lr, seed, qk):
-        broke = not qk and (lr >= 1e-1 and seed < 2 or lr == 3e-2 and seed == 0)
+    def member(lr, seed, qk, wide=False):
+        broke = not qk and (lr >= 1e-1 and seed < 2 or lr == 3e-2 and seed == 0
+                            or wide and lr >= 3e-2)
         final = 1.5 + lr if qk else loss[lr]
         return {"lr": lr, "seed": seed, "finite": final is not None,
                 "eval_loss": [5.0, final if final is not None else float("nan")],
                 "shift_steps": [2000] if broke else [], "max_attn_logit": 10.0}
     record = {"groups": {}}
-    for name, qk in (("width32", False), ("width32-qk", True)):
-        record["groups"][name] = {"members": [member(lr, s, qk) for lr in grid
-                                              for s in range(3)]}
+    for name, qk in (("width32", False), ("width32-qk", True), ("width64", False)):
+        record["groups"][name] = {"members": [member(lr, s, qk, name == "width64")
+                                              for lr in grid for s in range(3)]}
         (tmp_path / name).mkdir()
         for s in range(3):
             np.savez(tmp_path / name / f"lr0.001-seed{s}.npz", loss=np.array([5.5, 5.0]))
-    rows = {r["qk_norm"]: r for r in EX.width_rows(record)}
+    rows = {r["qk_norm"]: r for r in EX.width_rows(record) if r["width"] == 32}
     assert rows[False]["best_lr"] == 1e-2 and rows[False]["bracketed"]
+    assert rows[False]["break_lr_seeds"] == [3e-2, 1e-1, 1.0]  # 1.0: non-finite
+    assert rows[True]["best_lr_seeds"] == [1e-3] * 3
     assert rows[False]["break_lr"] == 1e-1 and rows[False]["decades"] == pytest.approx(1.0)
     assert rows[True]["break_lr"] is None and not rows[True]["bracketed"]
     # Wortsman's sensitivity, seed 0 without QK-Norm: min(final, 5.5) over the grid (the
     # diverged LR at 5.5), mean minus the best
     assert rows[False]["sensitivity"][0] == pytest.approx(np.mean([2.3, 1.9, 2.0, 2.4, 5.5]) - 1.9)
     text = EX.widths_markdown(record)
-    assert "| 32 | no | 0.01 | yes | 0.1 | 1.0 |" in text
-    assert "| 32 | yes | 0.001 | no: at the edge of the grid | none in the grid | — |" in text
+    assert "| 32 | no | 0.01 (0.01, 0.01, 0.01) | yes | 0.1 (0.03, 0.1, 1) | 1.0 |" in text
+    assert ("| 32 | yes | 0.001 (0.001, 0.001, 0.001) | no: at the edge of the grid | none in "
+            "the grid (none, none, none) | — |") in text
+    assert ("- without QK-Norm: the break LR by width 32: 0.1, 64: 0.03 (falls at every step); "
+            "best to break in decades 1.0, 0.5 (shrinks at every step).") in text
+    assert "- QK-Norm moves the break LR up at 1 of 1 widths (32)." in text
     assert EX.plot_widths(record, tmp_path).name == "widths.png"  # the figure draws them
     monkeypatch.setattr(EX, "RESULTS", tmp_path)  # results.json: the sweep beside the rows
     (tmp_path / "results.json").write_text('{"rows": {"baseline": 1}}')
