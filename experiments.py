@@ -973,9 +973,10 @@ def plot_widths(record: dict, out: pathlib.Path) -> pathlib.Path:
     """results/widths.png, Wortsman et al.'s Fig. 1 at CPU scale: per width, held-out loss at
     the end and the max attention logit against the LR, without QK-Norm (solid) and with it
     (dashed); mean over seeds (a non-finite run leaves its LR out); crosses: LRs where at least
-    half the seeds had a level shift or went non-finite."""
+    half the seeds had a level shift or went non-finite. Third panel: LR sensitivity per width
+    and arm, mean over seeds with its 95% bootstrap interval."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     rows = width_rows(record)
     widths = sorted({r["width"] for r in rows})
     for r in rows:
@@ -989,13 +990,26 @@ def plot_widths(record: dict, out: pathlib.Path) -> pathlib.Path:
                      and np.isfinite(v)]
             if broke:
                 ax.plot(*zip(*broke), "x", color=color, ms=8)
+    for qk, style in ((False, "-"), (True, "--")):
+        arm = sorted((r for r in rows if r["qk_norm"] == qk), key=lambda r: r["width"])
+        mean = [np.mean(r["sensitivity"]) for r in arm]
+        ci = np.array([bootstrap(r["sensitivity"]) for r in arm]).reshape(-1, 2)
+        axes[2].errorbar([r["width"] for r in arm], mean, yerr=np.abs(ci.T - mean),
+                         fmt=style, marker="o", capsize=3, color="k" if qk else "0.5",
+                         label="with QK-Norm" if qk else "without QK-Norm")
     axes[0].set_ylabel("held-out loss at the end (nats/byte)")
     axes[1].set_ylabel("max |attn logit| over the run")
     axes[1].set_yscale("log")
-    for ax in axes:
+    for ax in axes[:2]:
         ax.set_xscale("log")
         ax.set_xlabel("peak learning rate")
+    for ax in axes:
         ax.grid(alpha=0.3)
+    axes[2].set_xscale("log", base=2)
+    axes[2].set_xticks(widths, [str(w) for w in widths])
+    axes[2].set_xlabel("d_model")
+    axes[2].set_ylabel("LR sensitivity (nats/byte)")
+    axes[2].legend(fontsize=7)
     axes[0].legend(fontsize=7)
     axes[0].set_title("LR sweep per width (3 seeds; x: level shifts in >= half the seeds)",
                       fontsize=9)
