@@ -215,13 +215,16 @@ EVIDENCE_GROUPS += [dataclasses.replace(g, name=g.name.replace("story-", "story8
 # Wortsman et al.'s small-scale proxy across widths (2309.14322, Fig. 1): does the break come
 # closer to the best LR as the model grows? d_model 32, 64, 128 at the story's depth, head_dim
 # 16 (the heads scale with the width, two query heads per KV head), the same data, tokens and
-# schedule; per width and arm one group over the LR grid (one compiled step per LR). Declared,
-# to be run: about 80 core-minutes per arm at d_model 32, several core-hours at 128.
+# schedule; per width and arm one group over the LR grid (one compiled step per LR): ~1 h an
+# arm on one core at d_model 32, ~2.5 h at 64, ~7 h at 128. The best LR fell from 3e-3 at
+# d_model 32 to 1e-3 at 64, so 128 also runs 1e-4 to keep its best bracketed; LR sensitivity is
+# taken over the common grid (WIDTH_LRS) at every width.
 WIDTHS = (32, 64, 128)
 WIDTH_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
 WIDTH_ROWS = [g for d in WIDTHS for base in [dataclasses.replace(
-    STORY, name=f"width{d}", d_model=d, n_heads=d // 16, n_kv_heads=d // 32, lrs=WIDTH_LRS,
-    seeds=(0, 1, 2), compare_with=f"width{d}-qk")] for g in (base, twin(base))]
+    STORY, name=f"width{d}", d_model=d, n_heads=d // 16, n_kv_heads=d // 32,
+    lrs=(1e-4, *WIDTH_LRS) if d == 128 else WIDTH_LRS, seeds=(0, 1, 2),
+    compare_with=f"width{d}-qk")] for g in (base, twin(base))]
 # The second instability (Wortsman et al. §3.2, output-logit divergence): d_model 32 around its
 # break (0.1, 0.3, 1), z-loss off against on (1e-4), with and without QK-Norm; the step reports
 # the output logits' max |logit| and mean log Z. Declared, to be run (~25 core-min a group).
@@ -770,7 +773,8 @@ def width_rows(record: dict) -> list[dict]:
     run went non-finite) and whether each had a level shift (or went non-finite); the best LR
     (the lowest mean held-out), whether the grid brackets it, the break LR (the lowest LR with a
     level shift in at least half the seeds), their distance in decades, each seed's own best
-    and break LR (their spread over seeds), and Wortsman's LR sensitivity per seed."""
+    and break LR (their spread over seeds), and Wortsman's LR sensitivity per seed over the
+    grid common to every width."""
     rows = []
     for g in WIDTH_ROWS:
         if g.name not in record["groups"]:
@@ -792,7 +796,7 @@ def width_rows(record: dict) -> list[dict]:
                     for i in range(len(seeds))]
         initial = [float(np.load(search.SEED_CURVES / g.name / f"lr{lrs[0]:g}-seed{s}.npz")
                          ["loss"][0]) for s in seeds]  # the first step's train loss
-        sens = [lr_sensitivity({lr: final[lr][i] for lr in lrs}, initial[i])
+        sens = [lr_sensitivity({lr: final[lr][i] for lr in lrs if lr in WIDTH_LRS}, initial[i])
                 for i in range(len(seeds))]
         rows.append({"width": g.d_model, "qk_norm": g.qk_norm, "lrs": lrs, "final": final,
                      "broke": broke, "best_lr": best,

@@ -3450,13 +3450,18 @@ def test_the_widths_table_finds_the_best_and_the_break_lr_per_width(tmp_path, mo
                 "eval_loss": [5.0, final if final is not None else float("nan")],
                 "shift_steps": [2000] if broke else [], "max_attn_logit": 10.0}
     record = {"groups": {}}
+    loss[1e-4] = 4.0  # width 64 also runs 1e-4: in its best LR, not in its sensitivity
     for name, qk in (("width32", False), ("width32-qk", True), ("width64", False)):
-        record["groups"][name] = {"members": [member(lr, s, qk, name == "width64")
-                                              for lr in grid for s in range(3)]}
+        record["groups"][name] = {"members": [
+            member(lr, s, qk, name == "width64")
+            for lr in (1e-4, *grid) if lr > 1e-4 or name == "width64" for s in range(3)]}
         (tmp_path / name).mkdir()
-        for s in range(3):
-            np.savez(tmp_path / name / f"lr0.001-seed{s}.npz", loss=np.array([5.5, 5.0]))
+        for s in range(3):  # the first step's loss: the same at every LR
+            for lr in ("0.0001", "0.001"):
+                np.savez(tmp_path / name / f"lr{lr}-seed{s}.npz", loss=np.array([5.5, 5.0]))
     rows = {r["qk_norm"]: r for r in EX.width_rows(record) if r["width"] == 32}
+    wide = next(r for r in EX.width_rows(record) if r["width"] == 64)
+    assert wide["lrs"][0] == 1e-4 and wide["sensitivity"] == rows[False]["sensitivity"]
     assert rows[False]["best_lr"] == 1e-2 and rows[False]["bracketed"]
     assert rows[False]["break_lr_seeds"] == [3e-2, 1e-1, 1.0]  # 1.0: non-finite
     assert rows[True]["best_lr_seeds"] == [1e-3] * 3
