@@ -8,6 +8,7 @@
     python experiments.py --evidence --plot  # the 8-seed rates with intervals, figure, README
     python experiments.py --rerun story8 --seed 3   # one stored member again: inside its row?
     python experiments.py --widths         # best and break LR per width (Wortsman's proxy)
+    python experiments.py --zloss          # z-loss off against on at d_model 32 (its §3.2)
 
 These are the story's runs that need train.py itself: the baseline and everything started from
 its checkpoints (or from another run's), the guard, and the 32B's configuration with QK-Norm
