@@ -2488,8 +2488,21 @@ def test_warmstart_carries_every_leaf_and_adds_only_the_norm_scales(warm_started
         np.testing.assert_array_equal(new[key], expected, err_msg=key)
 
 
-def wandb_records(run_dir: pathlib.Path) -> list:
-    """The records of a run's offline W&B files (LevelDB-log framing of protobuf records)."""
+def wandb_records(run_dir: pathlib.Path, wait_s: float = 60.0) -> list:
+    """The records of a run's offline W&B files, read once the exit record is there: W&B's
+    writer is another process and may still be writing after `finish` returns (seen once in a
+    suite run on a loaded machine: no run record yet, all there a minute later)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = read_wandb_files(run_dir)
+        if (any(r.WhichOneof("record_type") == "exit" for r in records)
+                or time.monotonic() > deadline):
+            return records
+        time.sleep(0.5)
+
+
+def read_wandb_files(run_dir: pathlib.Path) -> list:
+    """The records in a run's offline W&B files (LevelDB-log framing of protobuf records)."""
     import struct
 
     from wandb.proto import wandb_internal_pb2
