@@ -769,6 +769,14 @@ def sweep_markdown(record: dict) -> str:
     return "\n".join(lines)
 
 
+def members_by_lr(record: dict, name: str) -> dict[float, list[dict]]:
+    """A harness group's members per LR, each LR's in seed order."""
+    by_lr: dict = {}
+    for m in sorted(record["groups"][name]["members"], key=lambda m: m["seed"]):
+        by_lr.setdefault(m["lr"], []).append(m)
+    return by_lr
+
+
 def width_rows(record: dict) -> list[dict]:
     """Per width and arm run so far: per LR the seeds' held-out loss at the end (NaN where the
     run went non-finite) and whether each had a level shift (or went non-finite); the best LR
@@ -780,9 +788,7 @@ def width_rows(record: dict) -> list[dict]:
     for g in WIDTH_ROWS:
         if g.name not in record["groups"]:
             continue
-        by_lr: dict = {}
-        for m in sorted(record["groups"][g.name]["members"], key=lambda m: m["seed"]):
-            by_lr.setdefault(m["lr"], []).append(m)
+        by_lr = members_by_lr(record, g.name)
         lrs = sorted(by_lr)
         final = {lr: [m["eval_loss"][-1] if m["finite"] else math.nan for m in by_lr[lr]]
                  for lr in lrs}
@@ -876,10 +882,7 @@ def zloss_rows(record: dict) -> list[dict]:
     for g in ZLOSS_ROWS:
         if g.name not in record["groups"]:
             continue
-        by_lr: dict = {}
-        for m in sorted(record["groups"][g.name]["members"], key=lambda m: m["seed"]):
-            by_lr.setdefault(m["lr"], []).append(m)
-        for lr, ms in sorted(by_lr.items()):
+        for lr, ms in sorted(members_by_lr(record, g.name).items()):
             curves = [np.load(search.SEED_CURVES / g.name / f"lr{lr:g}-seed{m['seed']}.npz")
                       for m in ms]
             log_z = [c["log_z"][np.isfinite(c["log_z"])][-100:] for c in curves]
