@@ -813,7 +813,7 @@ def width_rows(record: dict) -> list[dict]:
                      "best_lr_seeds": [min(f, key=f.get) for f in per_seed],
                      "break_lr_seeds": [next((lr for lr in lrs if broke[lr][i]), None)
                                         for i in range(len(seeds))],
-                     "sensitivity": sens,
+                     "sensitivity": sens, "initial": float(np.mean(initial)),
                      "max_logit": {lr: max(m["max_attn_logit"] for m in by_lr[lr])
                                    for lr in lrs}})
     return rows
@@ -981,12 +981,15 @@ def plot_widths(record: dict, out: pathlib.Path) -> pathlib.Path:
     """results/widths.png, Wortsman et al.'s Fig. 1 at CPU scale: per width, held-out loss at
     the end and the max attention logit against the LR, without QK-Norm (solid) and with it
     (dashed); mean over seeds (a non-finite run leaves its LR out); crosses: LRs where at least
-    half the seeds had a level shift or went non-finite. Third panel: LR sensitivity per width
-    and arm, mean over seeds with its 95% bootstrap interval."""
+    half the seeds had a level shift or went non-finite. The loss axis ends at the loss before
+    training (the cap of Wortsman's LR sensitivity); a mean above it is drawn on that edge as a
+    triangle. Third panel: LR sensitivity per width and arm, mean over seeds with its 95%
+    bootstrap interval."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     rows = width_rows(record)
     widths = sorted({r["width"] for r in rows})
+    top = max(r["initial"] for r in rows)
     for r in rows:
         color = f"C{widths.index(r['width'])}"
         style = "--" if r["qk_norm"] else "-"
@@ -998,6 +1001,9 @@ def plot_widths(record: dict, out: pathlib.Path) -> pathlib.Path:
                      and np.isfinite(v)]
             if broke:
                 ax.plot(*zip(*broke), "x", color=color, ms=8)
+        above = [lr for lr in r["lrs"] if np.mean(r["final"][lr]) > top]
+        if above:
+            axes[0].plot(above, [top] * len(above), "^", color=color, ms=7, clip_on=False)
     for qk, style in ((False, "-"), (True, "--")):
         arm = sorted((r for r in rows if r["qk_norm"] == qk), key=lambda r: r["width"])
         mean = [np.mean(r["sensitivity"]) for r in arm]
@@ -1005,6 +1011,7 @@ def plot_widths(record: dict, out: pathlib.Path) -> pathlib.Path:
         axes[2].errorbar([r["width"] for r in arm], mean, yerr=np.abs(ci.T - mean),
                          fmt=style, marker="o", capsize=3, color="k" if qk else "0.5",
                          label="with QK-Norm" if qk else "without QK-Norm")
+    axes[0].set_ylim(top=top)
     axes[0].set_ylabel("held-out loss at the end (nats/byte)")
     axes[1].set_ylabel("max |attn logit| over the run")
     axes[1].set_yscale("log")

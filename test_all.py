@@ -3483,6 +3483,7 @@ def test_the_widths_table_finds_the_best_and_the_break_lr_per_width(tmp_path, mo
     # Wortsman's sensitivity, seed 0 without QK-Norm: min(final, 5.5) over the grid (the
     # diverged LR at 5.5), mean minus the best
     assert rows[False]["sensitivity"][0] == pytest.approx(np.mean([2.3, 1.9, 2.0, 2.4, 5.5]) - 1.9)
+    assert rows[False]["initial"] == 5.5  # where widths.png's loss axis ends
     text = EX.widths_markdown(record)
     assert "| 32 | no | 0.01 (0.01, 0.01, 0.01) | yes | 0.1 (0.03, 0.1, 1) | 1.0 |" in text
     assert ("| 32 | yes | 0.001 (0.001, 0.001, 0.001) | no: at the edge of the grid | none in "
