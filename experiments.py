@@ -218,17 +218,19 @@ EVIDENCE_GROUPS += [dataclasses.replace(g, name=g.name.replace("story-", "story8
 # 16 (the heads scale with the width, two query heads per KV head), the same data, tokens and
 # schedule; per width and arm one group over the LR grid (one compiled step per LR): ~1 h an
 # arm on one core at d_model 32, ~2.5 h at 64, ~7 h at 128. The best LR fell from 3e-3 at
-# d_model 32 to 1e-3 at 64, so 128 also runs 1e-4 to keep its best bracketed; LR sensitivity is
-# taken over the common grid (WIDTH_LRS) at every width.
+# d_model 32 to 1e-3 at 64, so 128 also runs 1e-4 to keep its best bracketed. LR sensitivity
+# is taken over the paper's range, 3e-4 to 3e-1 (its §2.2: three decades), at every width; the
+# grid goes on to 1 to find where both arms break.
 WIDTHS = (32, 64, 128)
 WIDTH_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
+SENSITIVITY_LRS = WIDTH_LRS[:-1]
 WIDTH_ROWS = [g for d in WIDTHS for base in [dataclasses.replace(
     STORY, name=f"width{d}", d_model=d, n_heads=d // 16, n_kv_heads=d // 32,
     lrs=(1e-4, *WIDTH_LRS) if d == 128 else WIDTH_LRS, seeds=(0, 1, 2),
     compare_with=f"width{d}-qk")] for g in (base, twin(base))]
 # The second instability (Wortsman et al. §3.2, output-logit divergence): d_model 32 around its
 # break (0.1, 0.3, 1), z-loss off against on (1e-4), with and without QK-Norm; the step reports
-# the output logits' max |logit| and mean log Z. Declared, to be run (~25 core-min a group).
+# the output logits' max |logit| and mean log Z. ~20 min a group on one core (AMD EPYC).
 ZLOSS_ROWS = [g for z in (0.0, 1e-4) for base in [dataclasses.replace(
     WIDTH_ROWS[0], name=f"zloss{z:g}-width32", lrs=(0.1, 0.3, 1.0), z_loss_weight=z,
     compare_with=f"zloss{z:g}-width32-qk")] for g in (base, twin(base))]
@@ -782,8 +784,8 @@ def width_rows(record: dict) -> list[dict]:
     run went non-finite) and whether each had a level shift (or went non-finite); the best LR
     (the lowest mean held-out), whether the grid brackets it, the break LR (the lowest LR with a
     level shift in at least half the seeds), their distance in decades, each seed's own best
-    and break LR (their spread over seeds), and Wortsman's LR sensitivity per seed over the
-    grid common to every width."""
+    and break LR (their spread over seeds), and Wortsman's LR sensitivity per seed over the LRs
+    run in his range (SENSITIVITY_LRS)."""
     rows = []
     for g in WIDTH_ROWS:
         if g.name not in record["groups"]:
@@ -803,7 +805,8 @@ def width_rows(record: dict) -> list[dict]:
                     for i in range(len(seeds))]
         initial = [float(np.load(search.SEED_CURVES / g.name / f"lr{lrs[0]:g}-seed{s}.npz")
                          ["loss"][0]) for s in seeds]  # the first step's train loss
-        sens = [lr_sensitivity({lr: final[lr][i] for lr in lrs if lr in WIDTH_LRS}, initial[i])
+        sens = [lr_sensitivity({lr: final[lr][i] for lr in lrs if lr in SENSITIVITY_LRS},
+                               initial[i])
                 for i in range(len(seeds))]
         rows.append({"width": g.d_model, "qk_norm": g.qk_norm, "lrs": lrs, "final": final,
                      "broke": broke, "best_lr": best,

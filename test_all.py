@@ -3452,8 +3452,8 @@ def test_the_widths_table_finds_the_best_and_the_break_lr_per_width(tmp_path, mo
     import experiments as EX
     import search as SE
     monkeypatch.setattr(SE, "SEED_CURVES", tmp_path)
-    grid = (1e-3, 1e-2, 3e-2, 1e-1, 1.0)
-    loss = {1e-3: 2.3, 1e-2: 1.9, 3e-2: 2.0, 1e-1: 2.4, 1.0: None}
+    grid = (1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
+    loss = {1e-3: 2.3, 1e-2: 1.9, 3e-2: 2.0, 1e-1: 2.4, 3e-1: None, 1.0: None}
 
     def member(lr, seed, qk, wide=False):
         broke = not qk and (lr >= 1e-1 and seed < 2 or lr == 3e-2 and seed == 0
@@ -3476,16 +3476,16 @@ def test_the_widths_table_finds_the_best_and_the_break_lr_per_width(tmp_path, mo
     wide = next(r for r in EX.width_rows(record) if r["width"] == 64)
     assert wide["lrs"][0] == 1e-4 and wide["sensitivity"] == rows[False]["sensitivity"]
     assert rows[False]["best_lr"] == 1e-2 and rows[False]["bracketed"]
-    assert rows[False]["break_lr_seeds"] == [3e-2, 1e-1, 1.0]  # 1.0: non-finite
+    assert rows[False]["break_lr_seeds"] == [3e-2, 1e-1, 3e-1]  # 3e-1: non-finite
     assert rows[True]["best_lr_seeds"] == [1e-3] * 3
     assert rows[False]["break_lr"] == 1e-1 and rows[False]["decades"] == pytest.approx(1.0)
     assert rows[True]["break_lr"] is None and not rows[True]["bracketed"]
-    # Wortsman's sensitivity, seed 0 without QK-Norm: min(final, 5.5) over the grid (the
-    # diverged LR at 5.5), mean minus the best
+    # Wortsman's sensitivity, seed 0 without QK-Norm: min(final, 5.5) over his range, 3e-4 to
+    # 3e-1 (the diverged 3e-1 at 5.5; LR 1 is outside), mean minus the best
     assert rows[False]["sensitivity"][0] == pytest.approx(np.mean([2.3, 1.9, 2.0, 2.4, 5.5]) - 1.9)
     assert rows[False]["initial"] == 5.5  # where widths.png's loss axis ends
     text = EX.widths_markdown(record)
-    assert "| 32 | no | 0.01 (0.01, 0.01, 0.01) | yes | 0.1 (0.03, 0.1, 1) | 1.0 |" in text
+    assert "| 32 | no | 0.01 (0.01, 0.01, 0.01) | yes | 0.1 (0.03, 0.1, 0.3) | 1.0 |" in text
     assert ("| 32 | yes | 0.001 (0.001, 0.001, 0.001) | no: at the edge of the grid | none in "
             "the grid (none, none, none) | — |") in text
     assert ("- without QK-Norm: the break LR by width 32: 0.1, 64: 0.03 (falls at every step); "
