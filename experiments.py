@@ -891,6 +891,7 @@ def zloss_rows(record: dict) -> list[dict]:
             log_z = [c["log_z"][np.isfinite(c["log_z"])][-100:] for c in curves]
             rows.append({
                 "z_loss": g.z_loss_weight, "qk_norm": g.qk_norm, "lr": lr,
+                "seeds": [m["seed"] for m in ms],
                 "cpu": record["groups"][g.name].get("machine", {}).get("cpu"),
                 "final": [m["eval_loss"][-1] if m["finite"] else math.nan for m in ms],
                 "broke": sum(bool(m["shift_steps"]) or not m["finite"] for m in ms),
@@ -920,13 +921,43 @@ def zloss_markdown(record: dict) -> str:
         lines.append(f"| {r['z_loss']:g} | {'yes' if r['qk_norm'] else 'no'} | {r['lr']:g} | "
                      f"{held} | {r['broke']} of {len(f)} | {np.nanmax(r['out_logit_max']):.3g} | "
                      f"{finite_mean(r['log_z_end'])} | {np.nanmax(r['max_attn_logit']):.3g} |")
-    return "\n".join(lines)
+    return "\n".join(lines + [""] + zloss_answer(rows))
+
+
+def zloss_answer(rows: list[dict]) -> list[str]:
+    """Per arm: z-loss off minus on in held-out loss at the end, paired by seed and LR (pairs
+    with a non-finite run left out), mean with its 95% bootstrap interval, and the largest
+    |output logit| and the range of log Z at the end, off and on."""
+    out = []
+    for qk in (False, True):
+        off = {r["lr"]: r for r in rows if r["qk_norm"] == qk and r["z_loss"] == 0}
+        on = {r["lr"]: r for r in rows if r["qk_norm"] == qk and r["z_loss"] > 0}
+        pairs = [a - b for lr in sorted(off.keys() & on.keys())
+                 for s, a in zip(off[lr]["seeds"], off[lr]["final"])
+                 for t, b in zip(on[lr]["seeds"], on[lr]["final"])
+                 if s == t and math.isfinite(a) and math.isfinite(b)]
+        if not pairs:
+            continue
+        lo, hi = bootstrap(pairs)
+        out.append(f"- {'with' if qk else 'without'} QK-Norm: held-out, z-loss off minus on "
+                   f"({len(pairs)} seed-and-LR pairs): mean {np.mean(pairs):+.3f} [{lo:+.3f}, "
+                   f"{hi:+.3f}], {sum(d < 0 for d in pairs)} of {len(pairs)} lower without it; "
+                   f"off: {output_logits(off.values())}; on: {output_logits(on.values())}.")
+    return out
+
+
+def output_logits(rows) -> str:
+    """The largest |output logit| and the range of log Z at the end over these z-loss rows."""
+    z = [v for r in rows for v in r["log_z_end"] if math.isfinite(v)]
+    top = max(np.nanmax(r["out_logit_max"]) for r in rows)
+    return f"max |output logit| {top:.3g}" + (f", log Z at the end {min(z):.2f} to {max(z):.2f}"
+                                               if z else "")
 
 
 def plot_zloss(record: dict, out: pathlib.Path) -> pathlib.Path:
     """results/zloss.png: held-out loss at the end and the largest |output logit| against the
     LR, z-loss off (solid) and on (dashed), without and with QK-Norm (colour); mean over the
-    finite seeds."""
+    finite seeds; the logit axis is logarithmic where they span more than a decade."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
     rows = zloss_rows(record)
@@ -940,7 +971,9 @@ def plot_zloss(record: dict, out: pathlib.Path) -> pathlib.Path:
                     marker="o", ms=3, label=label)
     axes[0].set_ylabel("held-out loss at the end (nats/byte)")
     axes[1].set_ylabel("max |output logit| over the run")
-    axes[1].set_yscale("log")
+    logits = [x for r in rows for x in r["out_logit_max"] if math.isfinite(x)]
+    if max(logits) > 10 * min(logits):
+        axes[1].set_yscale("log")
     for ax in axes:
         ax.set_xscale("log")
         ax.set_xlabel("peak learning rate")

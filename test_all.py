@@ -3523,8 +3523,9 @@ def test_the_zloss_table_reads_the_output_logits_from_the_stored_curves(tmp_path
                     log_z[150:], out[150:] = np.nan, np.nan
                 np.savez(tmp_path / name / f"lr{lr:g}-seed{s}.npz", log_z=log_z,
                          out_logit_max=out)
+                final = 2.0 + lr + s / 10 - 0.3 * ((z, lr, s) == (0, 0.1, 0))
                 members.append({"lr": lr, "seed": s, "finite": not diverged,
-                                "eval_loss": [5.0, 2.0 + lr + s / 10], "max_attn_logit": 50.0 + s,
+                                "eval_loss": [5.0, final], "max_attn_logit": 50.0 + s,
                                 "shift_steps": [120] if lr == 1.0 and not qk else []})
         record["groups"][name] = {"members": members, "machine": {"cpu": "planted"}}
     rows = {(r["z_loss"], r["qk_norm"], r["lr"]): r for r in EX.zloss_rows(record)}
@@ -3539,6 +3540,9 @@ def test_the_zloss_table_reads_the_output_logits_from_the_stored_curves(tmp_path
     text = EX.zloss_markdown(record)
     assert "| 0 | no | 1 | 1 of 3 non-finite | 3 of 3 | 1e+03 | -133.83 | 52 |" in text
     assert "| 0.0001 | no | 0.1 | 2.200 (2.100, 2.300) | 0 of 3 | 3 | -1.15 | 52 |" in text
+    assert ("- without QK-Norm: held-out, z-loss off minus on (5 seed-and-LR pairs): mean -0.060 "
+            "[-0.180, +0.000], 1 of 5 lower without it; off: max |output logit| 1e+03") in text
+    assert "with QK-Norm: held-out" not in text  # no z-loss-on group with QK-Norm planted
     assert EX.plot_zloss(record, tmp_path).name == "zloss.png"
     monkeypatch.setattr(EX, "RESULTS", tmp_path)
     EX.write_results_json({"widths_zloss": EX.zloss_rows(record)})
