@@ -727,9 +727,9 @@ def both_arms(rows: list[dict]) -> list[float]:
 
 
 def sensitivity(rows: list[dict]) -> dict[bool, list[float]] | None:
-    """Wortsman et al.'s LR sensitivity per seed, without and with QK-Norm, over the LRs both
-    arms have finished (None before two such LRs)."""
-    lrs = both_arms(rows)
+    """Wortsman et al.'s LR sensitivity per seed, without and with QK-Norm, over the LRs of his
+    range (SENSITIVITY_LRS) both arms have finished (None before two such LRs)."""
+    lrs = [lr for lr in both_arms(rows) if lr in SENSITIVITY_LRS]
     if len(lrs) < 2:
         return None
     by = {(r["lr"], r["qk_norm"]): r for r in rows}
@@ -756,15 +756,15 @@ def sweep_markdown(record: dict) -> str:
                      f"{max(r['max_logit']):,.0f} |")
     sens = sensitivity(rows)
     if sens:
-        lrs = sorted({r["lr"] for r in rows})
-        done = both_arms(rows)
+        grid = [x for x in sorted(SWEEP_LRS) if x in SENSITIVITY_LRS]
+        done = [x for x in both_arms(rows) if x in SENSITIVITY_LRS]
         lines.append(
             f"\nLR sensitivity (Wortsman et al.: the mean over the LRs of min(final, initial "
             f"loss) minus the best final loss; a non-finite run counts at the initial loss) over "
-            f"the LRs {', '.join(f'{x:g}' for x in done)}"
-            + ("" if len(done) == len(SWEEP_LRS) else f" ({len(done)} of the {len(SWEEP_LRS)}"
-               f" LRs of the grid; {', '.join(f'{x:g}' for x in lrs if x not in done) or 'none'}"
-               " run in one arm only)")
+            f"the LRs {', '.join(f'{x:g}' for x in done)}, those of the grid in his range, "
+            f"3e-4 to 3e-1"
+            + ("" if len(done) == len(grid) else f" ({len(done)} of its {len(grid)}; "
+               f"{', '.join(f'{x:g}' for x in grid if x not in done)} not run in both arms)")
             + f", mean ± sd over seeds: **{np.mean(sens[False]):.3f} ± "
             f"{np.std(sens[False], ddof=1):.3f}** without QK-Norm, **{np.mean(sens[True]):.3f} "
             f"± {np.std(sens[True], ddof=1):.3f}** with it.")
