@@ -182,13 +182,16 @@ def one_device_mesh():
 
 
 def train_members(cfg: TrainConfig, seeds, chunk: int = 50, eval_every: int = 250,
-                  log=print, state=None, snapshot_at=(), snapshot=None) -> dict:
+                  log=print, state=None, snapshot_at=(), snapshot=None,
+                  progress: pathlib.Path | None = None) -> dict:
     """Train one member per seed (init seed and data seed both = the seed) with train.py's step
     (`build_train_step`), vmapped over the members and scanned `chunk` steps at a time: one
     dispatch and one host read per chunk. `state`: a stacked train state to go on from (a fork);
-    `snapshot(step, state)` is called after each step in `snapshot_at`. Returns [M, steps, ...]
-    arrays of every metric of the step, the held-out loss every `eval_every` steps and the
-    seconds it took."""
+    `snapshot(step, state)` is called after each step in `snapshot_at`. `progress`: a file where
+    the state and the metrics so far are saved at each held-out evaluation and read back on the
+    next call, so a killed run goes on from its last evaluation (bitwise: the chunks after it
+    are the same). Returns [M, steps, ...] arrays of every metric of the step, the held-out loss
+    every `eval_every` steps and the seconds it took."""
     tx = T.make_tx(cfg)
     step_fn = T.build_train_step(cfg, tx)
     qk_clip = cfg.optim.qk_clip > 0
@@ -212,9 +215,12 @@ def train_members(cfg: TrainConfig, seeds, chunk: int = 50, eval_every: int = 25
         eval_fn = jax.jit(jax.vmap(T.make_eval_step(cfg), in_axes=(0, None)))  # train.py's
         held_out = jnp.asarray(datas[0].held_out_batches())
         first = int(state["step"][0])
-        out: dict = {}
-        evals, t0, chunk_s = [], time.time(), []
-        c0 = first
+        out, evals, chunk_s, before = {}, [], [], 0.0
+        if progress is not None and progress.exists():
+            state, out, evals, chunk_s, before = read_progress(progress, state)
+            log(f"  step {int(state['step'][0])}: read back from {progress}")
+        t0 = time.time() - before
+        c0 = int(state["step"][0])
         while c0 < cfg.steps:
             t = time.time()
             n = min(chunk, cfg.steps - c0, eval_every - c0 % eval_every,
@@ -227,6 +233,9 @@ def train_members(cfg: TrainConfig, seeds, chunk: int = 50, eval_every: int = 25
             c0 += n
             if c0 % eval_every == 0 or c0 == cfg.steps:
                 evals.append((c0, np.asarray(eval_fn(state["params"], held_out))))
+                if progress is not None and c0 < cfg.steps:
+                    save_state(progress, state, progress_arrays(out, evals, chunk_s,
+                                                                time.time() - t0))
                 log(f"  step {c0}/{cfg.steps}: train "
                     + " ".join(f"{x:.2f}" for x in out["loss"][-1][-1])
                     + f" ({time.time() - t0:.0f} s)")
@@ -239,6 +248,26 @@ def train_members(cfg: TrainConfig, seeds, chunk: int = 50, eval_every: int = 25
     arrays["seconds"] = time.time() - t0
     arrays["chunk_seconds"] = np.array(chunk_s)  # [chunks, 2]: steps, seconds (the 1st compiles)
     return arrays
+
+
+def progress_arrays(out: dict, evals: list, chunk_s: list, seconds: float) -> dict:
+    """train_members' metrics so far, as arrays beside the state in its progress file."""
+    return {**{f"progress/metric/{k}": np.concatenate(v) for k, v in out.items()},
+            "progress/eval_step": np.array([s for s, _ in evals]),
+            "progress/eval_loss": np.stack([e for _, e in evals]),
+            "progress/chunk_seconds": np.array(chunk_s), "progress/seconds": np.float64(seconds)}
+
+
+def read_progress(path: pathlib.Path, like) -> tuple:
+    """(state, metrics, evals, chunk seconds, seconds) from a progress file, the state placed as
+    `like` is."""
+    state, extra = load_state(path, like)
+    state = jax.tree.map(lambda a, b: jax.device_put(a, b.sharding), state, like)
+    out = {k.removeprefix("progress/metric/"): [v] for k, v in extra.items()
+           if k.startswith("progress/metric/")}
+    evals = list(zip(extra["progress/eval_step"].tolist(), extra["progress/eval_loss"]))
+    return (state, out, evals, [tuple(c) for c in extra["progress/chunk_seconds"]],
+            float(extra["progress/seconds"]))
 
 
 def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print,
@@ -261,11 +290,14 @@ def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print,
                 parts.append(dict(f))
             log(f"{g.name} LR {lr:g}: read back from {path}")
             continue
+        progress = keep / f"lr{lr:g}.progress.npz" if keep is not None else None
         parts.append(train_members(g.config(lr), g.seeds, chunk, eval_every,
-                                   log=lambda s, lr=lr: log(f"{g.name} LR {lr:g}{s}")))
+                                   log=lambda s, lr=lr: log(f"{g.name} LR {lr:g}{s}"),
+                                   progress=progress))
         if path is not None:
             np.savez(path.with_suffix(".partial.npz"), **parts[-1])
             path.with_suffix(".partial.npz").replace(path)
+            progress.unlink(missing_ok=True)
     arrays = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]
               if k not in ("eval_step", "seconds", "first_step", "chunk_seconds")}
     return arrays | {"eval_step": parts[0]["eval_step"], "first_step": parts[0]["first_step"],
@@ -478,13 +510,31 @@ def save_group(name: str, entry: dict) -> None:
 SNAPSHOTS = pathlib.Path("runs/search")
 
 
-def save_snapshot(group: str, step: int, state) -> None:
-    path = SNAPSHOTS / group / f"step-{step}.npz"
+def save_state(path: pathlib.Path, state, extra: dict | None = None) -> None:
+    """A (stacked) train state as one .npz, a leaf per key path, with `extra` arrays beside it;
+    written whole or not at all."""
     path.parent.mkdir(parents=True, exist_ok=True)
     leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(state))
-    np.savez(path.with_suffix(".partial.npz"),
+    np.savez(path.with_suffix(".partial.npz"), **(extra or {}),
              **{jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves})
     path.with_suffix(".partial.npz").replace(path)
+
+
+def load_state(path: pathlib.Path, like) -> tuple[dict, dict]:
+    """(the state save_state wrote, in the structure of `like`; the other arrays), no pickle. A
+    leaf missing or of another shape is a UserError (the file is another run's)."""
+    with np.load(path) as f:
+        arrays = dict(f)
+    flat, tree = jax.tree_util.tree_flatten_with_path(like)
+    keys = [jax.tree_util.keystr(p) for p, _ in flat]
+    if any(k not in arrays or arrays[k].shape != x.shape for k, (_, x) in zip(keys, flat)):
+        raise UserError(f"{path} holds another run's state: remove it to train anew")
+    return (jax.tree_util.tree_unflatten(tree, [jnp.asarray(arrays.pop(k)) for k in keys]),
+            arrays)
+
+
+def save_snapshot(group: str, step: int, state) -> None:
+    save_state(SNAPSHOTS / group / f"step-{step}.npz", state)
 
 
 def load_snapshot(group: str, step: int, like) -> dict:
@@ -493,11 +543,7 @@ def load_snapshot(group: str, step: int, like) -> dict:
     if not path.is_file():
         raise UserError(f"{path} is missing: run python experiments.py {group} first (it keeps its "
                         "state every 250 steps there)")
-    with np.load(path) as f:
-        arrays = dict(f)
-    flat, tree = jax.tree_util.tree_flatten_with_path(like)
-    return jax.tree_util.tree_unflatten(tree, [jnp.asarray(arrays[jax.tree_util.keystr(p)])
-                                               for p, _ in flat])
+    return load_state(path, like)[0]
 
 
 def fork_steps(g: Group) -> dict[int, int]:
@@ -586,7 +632,7 @@ def run(groups: list[Group]) -> None:
                 a = train_members(g.config(), g.seeds, log=log, snapshot_at=range(
                     g.snapshot_every, g.steps, g.snapshot_every),
                     snapshot=functools.partial(save_snapshot, g.name))
-            else:  # LR by LR, each kept as it finishes
+            else:  # LR by LR, each kept as it finishes (its progress at each evaluation)
                 a = train_group(g, log=log, keep=SNAPSHOTS / g.name)
             members = [(lr, s, a, i) for i, (lr, s) in enumerate(member_grid(g))]
             seconds = a["seconds"]

@@ -3313,6 +3313,30 @@ def test_a_group_killed_after_one_lr_goes_on_from_the_next(tmp_path, monkeypatch
         SE.train_group(dataclasses.replace(g, steps=8), log=lambda s: None, keep=tmp_path)
 
 
+def test_an_lr_killed_between_evaluations_goes_on_from_the_last_one_bitwise(tmp_path):
+    """An LR of d_model 128 is 40 minutes: its state and metrics are kept at each held-out
+    evaluation, and a killed LR goes on from there; every array then equals the uninterrupted
+    run's bit for bit, and the progress file goes once the LR's arrays are kept."""
+    import search as SE
+    g = SE.Group("resumed", d_model=32, n_layers=1, steps=12, warmup_steps=4, lrs=(1e-2,),
+                 seeds=(0, 1), batch_size=8, seq_len=32)
+    quiet = dict(chunk=3, eval_every=6, log=lambda s: None)
+    whole = SE.train_members(g.config(1e-2), g.seeds, **quiet)
+
+    def killed(line):  # dies as it reports its first evaluation (kept just before)
+        if "step 6/12" in line:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        SE.train_group(g, keep=tmp_path, **{**quiet, "log": killed})
+    assert (tmp_path / "lr0.01.progress.npz").exists() and not (tmp_path / "lr0.01.npz").exists()
+    lines = []
+    again = SE.train_group(g, keep=tmp_path, **{**quiet, "log": lines.append})
+    assert any("step 6: read back from" in x for x in lines)  # not trained from 0
+    for k in ("loss", "grad_norm", "attn_logit_max", "eval_loss", "eval_step"):
+        np.testing.assert_array_equal(again[k], whole[k], err_msg=k)
+    assert not (tmp_path / "lr0.01.progress.npz").exists() and (tmp_path / "lr0.01.npz").exists()
+
+
 def test_a_guarded_group_is_its_train_py_runs_and_a_second_run_reads_them(tmp_path,
                                                                           monkeypatch):
     import search as SE
@@ -3421,7 +3445,8 @@ def test_the_lr_sweep_reads_final_losses_and_lr_sensitivity_per_seed(tmp_path, m
     text = EX.sweep_markdown(record)
     assert "| 0.3 | no | non-finite in 1 of 3 seeds | 0, 1, 2 | 0, 0, 0 | 10–1,000 |" in text
     assert "| 0.1 | yes | 1.750 ± 0.050 |" in text
-    assert "(2 of its 6; 0.001, 0.003, 0.01, 0.03 not run in both arms)" in text  # 1 is outside his range
+    # 6: the grid's LRs in Wortsman's range (1 is outside it)
+    assert "(2 of its 6; 0.001, 0.003, 0.01, 0.03 not run in both arms)" in text
 
 
 # ---------------------------------------------------------------------------------------------
