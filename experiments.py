@@ -1059,7 +1059,7 @@ def plot_widths(record: dict, out: pathlib.Path) -> pathlib.Path:
     axes[2].set_xscale("log", base=2)
     axes[2].set_xticks(widths, [str(w) for w in widths])
     axes[2].set_xlabel("d_model")
-    axes[2].set_ylabel("LR sensitivity (nats/byte)")
+    axes[2].set_ylabel("LR sensitivity, LRs 3e-4 to 3e-1 (nats/byte)")
     axes[2].legend(fontsize=7)
     axes[0].legend(fontsize=7)
     axes[0].set_title("LR sweep per width (3 seeds; x: level shifts in >= half the seeds)",
