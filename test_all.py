@@ -3314,9 +3314,9 @@ def test_a_group_killed_after_one_lr_goes_on_from_the_next(tmp_path, monkeypatch
 
 
 def test_an_lr_killed_between_evaluations_goes_on_from_the_last_one_bitwise(tmp_path):
-    """An LR of d_model 128 is 40 minutes: its state and metrics are kept at each held-out
-    evaluation, and a killed LR goes on from there; every array then equals the uninterrupted
-    run's bit for bit, and the progress file goes once the LR's arrays are kept."""
+    """An LR of d_model 128 is ~46 minutes on one core: its state and metrics are kept at each
+    held-out evaluation, and a killed LR goes on from there; every array then equals the
+    uninterrupted run's bit for bit, and the progress file goes once the LR's arrays are kept."""
     import search as SE
     g = SE.Group("resumed", d_model=32, n_layers=1, steps=12, warmup_steps=4, lrs=(1e-2,),
                  seeds=(0, 1), batch_size=8, seq_len=32)
