@@ -234,7 +234,19 @@ WIDTH_ROWS = [g for d in WIDTHS for base in [dataclasses.replace(
 ZLOSS_ROWS = [g for z in (0.0, 1e-4) for base in [dataclasses.replace(
     WIDTH_ROWS[0], name=f"zloss{z:g}-width32", lrs=(0.1, 0.3, 1.0), z_loss_weight=z,
     compare_with=f"zloss{z:g}-width32-qk")] for g in (base, twin(base))]
-HARNESS_ROWS = {g.name: g for g in (*LEVERS, *SWEEP, *EVIDENCE_GROUPS, *WIDTH_ROWS, *ZLOSS_ROWS)}
+# When is QK-Norm necessary? The knobs the 32B had that a small run does not, each an LR sweep
+# of the d_model 32 proxy without and with QK-Norm, judged by the widths rows' rules (best LR:
+# the lowest mean held-out; break LR: the lowest LR with a level shift in >= half the seeds;
+# the distance in decades, its spread the range of the seeds' own break/best over the seeds).
+# The grid brackets d_model 32's best (3e-3) and break (0.3; 1 with QK-Norm). Adam's beta2 as
+# in most recipes (0.999; the proxy's 0.95), Marin's epsilon (1e-15), no weight decay.
+KNOB_LRS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
+KNOBS = {"b2.999": {"b2": 0.999}, "eps1e-15": {"eps": 1e-15}, "wd0": {"weight_decay": 0.0}}
+KNOB_ROWS = [g for tag, knob in KNOBS.items() for base in [dataclasses.replace(
+    WIDTH_ROWS[0], name=f"width32-{tag}", lrs=KNOB_LRS, compare_with=f"width32-{tag}-qk",
+    **knob)] for g in (base, twin(base))]
+HARNESS_ROWS = {g.name: g for g in (*LEVERS, *SWEEP, *EVIDENCE_GROUPS, *WIDTH_ROWS, *ZLOSS_ROWS,
+                                    *KNOB_ROWS)}
 register(*HARNESS_ROWS.values())
 
 

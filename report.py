@@ -708,8 +708,9 @@ def machine() -> dict:
                    if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    # A run repeats bitwise only on the same CPU model with the same cores: record both.
     return {"cpu": cpu, "cores": os.cpu_count(), "jax": importlib.metadata.version("jax"),
-            "platform": platform.platform()}
+            "platform": platform.platform(), "affinity": sorted(os.sched_getaffinity(0))}
 
 
 def compare(a: dict, b: dict, key: str = "eval_loss") -> str:
