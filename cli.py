@@ -119,3 +119,19 @@ def claim_partial(out, marker: str):
 def fmt_time(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
+
+
+@contextlib.contextmanager
+def written_whole(path):
+    """Write a file whole or not at all: yields a path beside `path` (NAME.partial.SUFFIX) to
+    write, then renames it into place, so a kill leaves the old file or the new one, never half.
+    A full disk or an unwritable folder is one line; the partial file goes."""
+    tmp = path.with_name(f"{path.stem}.partial{path.suffix}")
+    try:
+        yield tmp
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"cannot write {path}: {e.strerror or e}; make room (or choose another "
+                        "place) and run the same command again: nothing written before is lost"
+                        ) from None

@@ -115,8 +115,8 @@ PRESETS = {
         optim=OptimConfig(lr=1e-2, warmup_steps=5),
         data=DataConfig(seq_len=32, batch_size=8),
         run_dir="runs/tiny", steps=20, log_every=5, eval_every=10, checkpoint_every=10),
-    # The story (experiments.py): d_model 64 (d_ff 172), 4 layers, beta2 0.95, no clipping, no
-    # QK-Norm, a 1,000-step linear warmup to a constant LR 5e-2, 4,000 steps. Found by search.py
+    # The story (lab/rows.py): d_model 64 (d_ff 172), 4 layers, beta2 0.95, no clipping, no
+    # QK-Norm, a 1,000-step linear warmup to a constant LR 5e-2, 4,000 steps. Found by lab/search.py
     # (results/search.json): it learns like its QK-Norm twin to step 500-1,250, then breaks
     # with level shifts that never come back (~8 minutes on 2 cores).
     "story": TrainConfig(

@@ -1,5 +1,28 @@
-"""The slow tests first: pytest-xdist's load scheduling then hands them out one at a time and
-the fast ones fill the end (pytest.ini gives the measured times)."""
+"""The suite's setup, before any test module imports JAX: the persistent compilation cache (shared
+by the pytest-xdist workers and the processes the tests start), XLA's CPU backend without LLVM's
+optimisation passes, 8 simulated devices. And the slow tests first: pytest-xdist's load
+scheduling then hands them out one at a time and the fast ones fill the end (pytest.ini gives the
+measured times)."""
+
+import os
+import tempfile
+
+
+def pytest_configure(config):
+    # Set before JAX starts, so that every subprocess a test starts inherits it too.
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ.get(
+        "SPIKEFIX_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "spikefix-test-jax-cache")))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    # XLA's CPU backend without LLVM's optimisation passes: compiles take most of the suite's time,
+    # and the tests' models are too small for the faster code to pay (the fast tier: 160 -> 108 s
+    # on one AMD EPYC core). The same program, compiled with fewer passes: the tests' comparisons
+    # are between runs compiled alike.
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
+                                        "--xla_backend_optimization_level=0"]).strip()
+
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
 
 
 def pytest_collection_modifyitems(items):

@@ -20,7 +20,7 @@ and a non-finite step. On a trigger the loop
 With `--guard.predict max-logit` it also acts before any loss event: at a checkpoint step
 where the last step's largest attention logit is above `--guard.predict-above`, it escalates
 where the run stands (the checkpoint just saved is the rollback point: nothing is replaced or
-computed again). The logit is the signal that led the story's level shifts best (foresight.py;
+computed again). The logit is the signal that led the story's level shifts best (lab/foresight.py;
 Wortsman et al., arXiv 2309.14322: attention-logit growth precedes the instability).
 
 It never rolls back past an escalation (the model changed there), and its watch forgets the
@@ -82,7 +82,7 @@ class GuardConfig:
     # "max-logit": before any event, escalate where the run stands (no rollback) at a
     # checkpoint step whose last step's max attention logit is above --guard.predict-above
     predict: str = "none"
-    # the logit it acts above: foresight.py's threshold on the evidence's seeds 0-3 (10^1.99),
+    # the logit it acts above: lab/foresight.py's threshold on the evidence's seeds 0-3 (10^1.99),
     # rounded; the QK-Norm runs stay near 50
     predict_above: float = 100.0
 

@@ -568,7 +568,7 @@ def opt_metrics(opt_state, max_grad_norm: float = 0.0) -> dict:
     applied nothing (refused or skipped) left the inner states, their metrics included, as they
     were: its update norms are reported as 0. `max_grad_norm`: the clip (0 = none)."""
     found = _metrics_by_type(opt_state)
-    if NonfiniteMetrics not in found:  # an optimizer built elsewhere (bench.py's plain AdamW)
+    if NonfiniteMetrics not in found:  # an optimizer built elsewhere (bench/bench.py's plain AdamW)
         return {}
     guard = found[NonfiniteMetrics]
     skipped = guard.refused

@@ -86,7 +86,7 @@ def make_tx(cfg: TrainConfig):
 
 def build_train_step(cfg: TrainConfig, tx):
     """The one train step, un-jitted: (state, tokens [B, T+1]) -> (new state, metrics). train.py
-    jits it (make_train_step); search.py vmaps it over seeds and scans it over steps."""
+    jits it (make_train_step); lab/harness.py vmaps it over seeds and scans it over steps."""
     schedule = lr_schedule(cfg.optim, cfg.steps)
     clip = cfg.optim.qk_clip > 0  # QK-Clip reads each head's max logit on the batch
 

@@ -1,13 +1,13 @@
 """Benchmarks that print figures, measured side by side in one run (never a timed test).
 
-    python bench.py                  # ~18 minutes on 2 idle cores; writes bench/results.json
-    python bench.py --rounds 3       # quicker, noisier
-    python bench.py --story          # where the story preset's step time goes (~5 minutes);
-                                     # writes bench/results-story.json
-    python bench.py --harness        # the search harness per member-step (~10 minutes);
-                                     # writes bench/results-harness.json
-    python bench.py --accelerator    # one GPU: a 0.9B model at seq 4,096 in bfloat16 (~2 min);
-                                     # writes bench/results-gpu.json
+    python -m bench.bench                # ~18 minutes on 2 idle cores; writes bench/results.json
+    python -m bench.bench --rounds 3     # quicker, noisier
+    python -m bench.bench --story        # where the story preset's step time goes (~5 minutes);
+                                         # writes bench/results-story.json
+    python -m bench.bench --harness      # the harness per member-step (~10 minutes);
+                                         # writes bench/results-harness.json
+    python -m bench.bench --accelerator  # one GPU: a 0.9B model at seq 4,096 in bf16 (~2 min);
+                                         # writes bench/results-gpu.json
 
 Run it alone: other processes on the CPU moved these figures by 11-40%. bench.py measures how
 much CPU time other processes took during the run (/proc/stat) and warns when it was more than
@@ -65,12 +65,14 @@ import attention as A
 import checkpoint as C
 import model as M
 import optim as O
-import search as S
 import train as T
 import warmstart as W
 from config import PRESETS, TrainConfig, config_from_dict
 from data import DataConfig
 from distributed import MeshConfig, make_mesh
+from lab import harness as S
+from lab.rows import STORY
+from report import machine
 
 SEQ_LENS = (128, 256, 512, 1024)
 TOKENS_PER_STEP = 4096
@@ -233,7 +235,7 @@ def variant_timer(spec: dict, tmp: pathlib.Path):
 class Worker:
     def __init__(self, name: str, spec: dict):
         self.name = name
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], text=True,
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.bench", "--worker"], text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.proc.stdin.write(json.dumps(spec) + "\n")
         self.proc.stdin.flush()
@@ -447,7 +449,8 @@ def main():
     load = os.getloadavg()[0]
     wall, busy, own = time.perf_counter(), cpu_busy_seconds(), own_cpu_seconds()
     r = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                     "cpu": cpu_name(), "jax": jax.__version__, "devices": str(jax.devices())},
+                     "cpu": machine()["cpu"], "jax": jax.__version__,
+                     "devices": str(jax.devices())},
          "preset": "cpu", "tokens_per_step": TOKENS_PER_STEP, "rounds": args.rounds}
     if load > 0.5:
         print(f"note: load average {load:.1f} at the start: let other work finish first")
@@ -644,7 +647,7 @@ def accelerator_steps(cfg: TrainConfig, rounds: int, steps_per_turn: int) -> dic
 def accelerator_main(args) -> int:
     if jax.default_backend() == "cpu":
         print("error: bench.py --accelerator needs a GPU or TPU, and JAX sees only the CPU: "
-              "run plain `python bench.py` here", file=sys.stderr)
+              "run plain `python -m bench.bench` here", file=sys.stderr)
         return 2
     cfg, dtype = ACCELERATOR, jnp.dtype(ACCELERATOR.model.dtype)
     out = pathlib.Path(args.out or f"bench/results-{jax.default_backend()}.json")
@@ -758,12 +761,12 @@ def story_main(args) -> int:
         loop_s = run.data.batch_size * run.data.seq_len / last["avg_tokens_per_s"]
     print("3/3 the search harness: 3 seeds, 50 and 350 steps (the difference: 300 steps, "
           "no compile)", flush=True)
-    seconds = [S.train_group(dataclasses.replace(S.STORY, steps=k), eval_every=k,
+    seconds = [S.train_group(dataclasses.replace(STORY, steps=k), eval_every=k,
                              log=lambda _: None)["seconds"] for k in (50, 350)]
-    harness_s = (seconds[1] - seconds[0]) / (300 * len(S.STORY.seeds))
+    harness_s = (seconds[1] - seconds[0]) / (300 * len(STORY.seeds))
     other = (cpu_busy_seconds() - busy) - (own_cpu_seconds() - own)
-    r = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu": cpu_name(),
-                     "jax": jax.__version__},
+    r = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                     "cpu": machine()["cpu"], "jax": jax.__version__},
          "preset": "story", "steps_per_turn": n, "rounds_s": rounds,
          "step_s": {name: statistics.median(t) for name, t in rounds.items()},
          "train_loop_step_s": loop_s, "harness_member_step_s": harness_s,
@@ -796,7 +799,7 @@ HARNESS_STEPS = 150  # 3 chunks of 50: the first compiles, the other two are tim
 def harness_member_step(members: int, scan: bool) -> float:
     """Seconds per member-step of search.train_members on the story preset: the median chunk
     after the compile (batches, dispatch, compute and the host read of the metrics)."""
-    g = dataclasses.replace(S.STORY, steps=HARNESS_STEPS, seeds=tuple(range(members)),
+    g = dataclasses.replace(STORY, steps=HARNESS_STEPS, seeds=tuple(range(members)),
                             model=(("scan_layers", scan),))
     a = S.train_members(g.config(), g.seeds, chunk=50, eval_every=10**9, log=lambda _: None)
     return statistics.median(s / n for n, s in a["chunk_seconds"][1:]) / members
@@ -833,15 +836,15 @@ def harness_main(args) -> int:
     if load > 0.5:
         print(f"note: load average {load:.1f} at the start: let other work finish first")
     busy, own, wall = cpu_busy_seconds(), own_cpu_seconds(), time.perf_counter()
-    r = {"machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "jax": jax.__version__},
+    r = {"machine": {"cpu": machine()["cpu"], "cpus": os.cpu_count(), "jax": jax.__version__},
          "member_step_s": {}}
     for members, scan in ((3, False), (8, False), (16, False), (8, True)):
         key = f"{members} members, {'scanned' if scan else 'unrolled'}"
         print(f"  {key} ...", flush=True)
         r["member_step_s"][key] = harness_member_step(members, scan)
     print("  2 processes of 8 members, one core each ...", flush=True)
-    procs = [subprocess.Popen(["taskset", "-c", str(i), sys.executable, __file__, "--harness",
-                               "--harness-worker"], stdout=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen(["taskset", "-c", str(i), sys.executable, "-m", "bench.bench",
+                               "--harness", "--harness-worker"], stdout=subprocess.PIPE, text=True)
              for i in range(2)]
     each = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
     r["member_step_s"]["2 pinned processes x 8 members (combined)"] = 1 / sum(1 / x for x in each)
@@ -860,15 +863,6 @@ def harness_main(args) -> int:
     out.write_text(json.dumps(r, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
-
-
-def cpu_name() -> str:
-    try:
-        lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-        return next(line.split(":", 1)[1].strip() for line in lines
-                    if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 if __name__ == "__main__":

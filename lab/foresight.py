@@ -1,8 +1,8 @@
 """Early warning: do the signals the papers name lead the story's level shifts?
 
-    python foresight.py                  # the table, from the 8-seed evidence's stored curves
-    python foresight.py --plot           # + results/foresight.png and results/README.md
-    python foresight.py --group story8-signals   # + the signals computed online in the step
+    python -m lab.foresight                  # the table, from the 8-seed evidence's stored curves
+    python -m lab.foresight --plot           # + results/foresight.png and results/README.md
+    python -m lab.foresight --group story8-signals   # + the signals computed online in the step
 
 Each signal is computed from a run's logged per-step metrics alone (the stored curves of
 experiments.py's `story8` rows: no new training), per step, as the largest over the layers:
@@ -41,10 +41,12 @@ import sys
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from cli import UserError, command, parse
-from report import bootstrap, episodes, find_shifts, find_spikes, pyplot, save_figure, update_readme
+from cli import command, parse
+from lab.harness import SEED_CURVES, read_curve
+from lab.stats import bootstrap, episodes
+from lab.tables import update_readme
+from report import find_shifts, find_spikes, pyplot, save_figure
 
-CURVES = pathlib.Path("results/curves")
 BASE = "story8"  # the baseline whose episodes are predicted (--group; its twin: BASE-qk)
 WARMUP = 1000  # the story preset's warmup: the signals are judged after it
 HORIZONS = (50, 200, 500)
@@ -55,11 +57,7 @@ FALSE_ALARMS = 0.5  # per 1,000 steps in the twin's training seeds: the threshol
 
 
 def load_curve(group: str, seed: int) -> dict:
-    path = CURVES / group / f"seed{seed}.npz"
-    if not path.is_file():
-        raise UserError(f"{path} is missing: python experiments.py {group} makes it")
-    with np.load(path) as c:
-        return {k: c[k].astype(np.float64) for k in c.files}
+    return {k: v.astype(np.float64) for k, v in read_curve(group, f"seed{seed}").items()}
 
 
 def trailing_median(x: np.ndarray, window: int = 100) -> np.ndarray:
@@ -294,8 +292,8 @@ def main(argv: list[str]) -> int:
     print(text)
     if args.plot:
         name = "foresight" if args.group == BASE else f"foresight-{args.group}"
-        print(f"wrote {plot(base, rows, CURVES.parent / f'{name}.png')}")
-        update_readme(text, part=name, writer="foresight.py")
+        print(f"wrote {plot(base, rows, SEED_CURVES.parent / f'{name}.png')}")
+        update_readme(text, part=name, writer="lab/foresight.py")
     return 0
 
 

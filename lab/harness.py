@@ -1,26 +1,15 @@
-"""The seeds harness, and the story search: which small regime learns first and then spikes?
-Every group trained, with its outcome, goes to results/search.json.
+"""The seeds harness: train.py's own step vmapped over seeds and scanned over steps, forks from
+kept states, guarded rows run as train.py runs, and the stored curves (written and read here).
 
-    python search.py                     # run the search's groups not yet in results/search.json
-    python search.py --list              # the search's groups and whether each is done
-    python search.py --summary           # the table of outcomes (no training)
-    python search.py --markdown          # the README's table of the search
-    python search.py --plot              # results/search.png and the search's table
-
-The story's rows that this harness trains (the levers from scratch, the LR sweep, the 8-seed
-evidence) are declared in experiments.py and run from there: python experiments.py ROW.
+    python -m lab.experiments ROW [ROW ...]   # train harness rows (lab/rows.py), record each
 
 A *group* is train.py's own step (`train.build_train_step`, the LR inside the optimizer chain)
 vmapped over *members* (seeds; one compiled step per LR of the group) and stepped `chunk`
 steps at a time inside one `lax.scan`: one dispatch and one host read per chunk instead of per
 step. Each member is the train.py run of its LR and seed (init and data order both drawn from
 the seed), to float32 rounding: a test runs one beside train.py for 120 steps. Every member's
-per-step curves are kept in results/curves/GROUP/seedN.npz.
-
-The outcome of each member is judged by report.py's fixed rules (the one-step spike rule and the
-level-shift rule, at their defaults: never tuned here; the episode rules for the evidence),
-counted after the step S1 at which the run is compared with the QK-Norm run of the same group
-settings.
+per-step curves are kept in results/curves/GROUP/seedN.npz (what is kept: `curve_arrays`), its
+outcome (report.py's fixed rules) in results/search.json.
 """
 
 import dataclasses
@@ -28,152 +17,56 @@ import fcntl
 import functools
 import json
 import pathlib
-import sys
 import time
+import zipfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tyro
 
 import train as T
 from checkpoint import init_state, insert_qk_norm
-from cli import UserError, command, parse
-from config import PRESETS, TrainConfig
+from cli import UserError, written_whole
+from config import TrainConfig
 from data import TokenData
 from distributed import MeshConfig, make_mesh
-from guard import GuardConfig
+from lab.rows import (
+    REGISTRY,
+    Group,
+)
 from report import (
     acted,
-    ema,
     find_shifts,
     find_spikes,
     machine,
-    pyplot,
     read_metrics,
-    save_figure,
-    update_readme,
 )
 
 OUT = pathlib.Path("results/search.json")
+
+
 CURVES = pathlib.Path("results/search")  # the groups run before the evidence: GROUP.npz
+
+
 SEED_CURVES = pathlib.Path("results/curves")  # since: GROUP/seedN.npz, one file per member
 
-
-@dataclasses.dataclass(frozen=True)
-class Group:
-    """One compiled step: the settings every member shares, and the grid of LRs x seeds."""
-    name: str
-    d_model: int = 64
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    qk_norm: bool = False
-    batch_size: int = 16
-    seq_len: int = 128
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    z_loss_weight: float = 1e-4
-    warmup_steps: int = 100
-    steps: int = 2000
-    lrs: tuple[float, ...] = (1e-2,)
-    seeds: tuple[int, ...] = (0, 1, 2)
-    optim: tuple[tuple[str, object], ...] = ()  # a lever: OptimConfig fields, (name, value)
-    model: tuple[tuple[str, object], ...] = ()  # ...or ModelConfig fields
-    compare_with: str = ""  # the QK-Norm group S1 is taken against (default: NAME-qk)
-    # A mid-run arm from this group's kept states (see fork_steps): QK-Norm inserted where the
-    # arm has it, else its settings (QK-Clip) switched on as a resume does.
-    fork: str = ""
-    snapshot_every: int = 0  # keep the stacked train state every N steps (a fork's source)
-    # The guard on (GuardConfig fields): its rollbacks are the loop's, so each seed is a
-    # train.py run (train.train, one after the other, resumable), its metrics.jsonl the curve.
-    guard: tuple[tuple[str, object], ...] = ()
-    spectral: bool = False  # log the q/k spectral entropy too (train.py --spectral-metrics)
-
-    def config(self, lr: float | None = None) -> TrainConfig:
-        """train.py's config of one member at `lr` (default: the group's first LR)."""
-        base = PRESETS["story"]
-        model = dataclasses.replace(
-            base.model, d_model=self.d_model, d_ff=round(8 / 3 * self.d_model / 4) * 4,
-            n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
-            qk_norm=self.qk_norm, z_loss_weight=self.z_loss_weight,
-            **({"attention": "auto"} | dict(self.model)))
-        optim = dataclasses.replace(base.optim, lr=self.lrs[0] if lr is None else lr,
-                                    b2=self.b2, eps=self.eps, weight_decay=self.weight_decay,
-                                    warmup_steps=self.warmup_steps, max_grad_norm=0.0,
-                                    min_lr_ratio=1.0)
-        optim = dataclasses.replace(optim, **dict(self.optim))
-        data = dataclasses.replace(base.data, batch_size=self.batch_size, seq_len=self.seq_len,
-                                   eval_sequences=64)
-        guarded = GuardConfig(on=True, **dict(self.guard)) if self.guard else base.guard
-        return dataclasses.replace(base, model=model, optim=optim, data=data, steps=self.steps,
-                                   guard=guarded, spectral_metrics=self.spectral)
-
-    def settings(self) -> dict:
-        d = dataclasses.asdict(self) | {"optim": dict(self.optim), "model": dict(self.model),
-                                        "guard": dict(self.guard)}
-        return {k: v for k, v in d.items() if k not in ("name", "lrs", "seeds", "compare_with")
-                and (k not in ("optim", "model", "fork", "snapshot_every", "guard", "spectral")
-                     or v)}
-
-
-def twin(g: Group, **kw) -> Group:
-    """The group's QK-Norm twin (the comparison the story needs)."""
-    return dataclasses.replace(g, name=g.name + "-qk", qk_norm=True, **kw)
-
-
-# The search, in the order it was run. The notes say why each group was tried. A QK-Norm twin
-# ("-qk") runs once its baseline shows spikes worth comparing.
-GROUPS = [
-    # d_model 64 at moderate LRs (3e-2 collapses within ~100 steps), beta2 0.95, 2,000 steps.
-    Group("d64-b2.95", lrs=(6e-3, 1e-2, 1.5e-2, 2e-2)),
-    # A stale second moment (beta2 0.999) and a tiny eps (Molybog et al., Bai et al.).
-    Group("d64-b2.999-eps1e-15", b2=0.999, eps=1e-15, lrs=(6e-3, 1e-2, 1.5e-2, 2e-2)),
-    # The first group learned at every LR without an instability (logits up to 492; its few
-    # spikes fell on the same steps at every LR of a data seed: hard batches). Learn first at
-    # a low LR, then meet the LR that collapses a fresh model (3e-2) or more: a long warmup.
-    Group("d64-b2.95-warmup1000", warmup_steps=1000, lrs=(3e-2, 5e-2)),
-]
-# QK-Norm twins: the comparison that decides S1 (queued before the warmup group).
-GROUPS.insert(2, twin(GROUPS[1], lrs=(1e-2, 2e-2)))
-# The two single-seed events came late (steps 646 and 1,882): longer runs, other seeds.
-GROUPS += [
-    Group("d64-b2.999-eps1e-15-4k", b2=0.999, eps=1e-15, lrs=(2e-2,), seeds=(3, 4, 5),
-          steps=4000),
-    Group("d64-b2.95-warmup1000-4k", warmup_steps=1000, lrs=(5e-2,), steps=4000),
-]
-# That group breaks late in every seed (level shifts that never come back): its QK-Norm twin.
-GROUPS.append(twin(GROUPS[-1]))
-# The story regime (train.py's `story` preset) is that group. The levers, from scratch on it,
-# each compared with its QK-Norm twin (S1) and with it (the spikes and shifts after S1).
-STORY = GROUPS[-2]
-SEARCH_NAMES = {g.name for g in GROUPS}  # the search's own groups (experiments.py adds rows)
-
-
-# Every group by name: the search's own, and the rows experiments.py registers (the levers, the
-# LR sweep, the evidence), so that a fork finds its source and S1 its QK-Norm twin.
-REGISTRY: dict[str, Group] = {}
-
-
-def register(*groups: Group) -> None:
-    REGISTRY.update({g.name: g for g in groups})
-
-
-register(*GROUPS)
-
-
-# ---------------------------------------------------------------------------------------------
-# The stacked trainer: train.py's own step, vmapped over seeds
 
 def member_grid(g: Group) -> list[tuple[float, int]]:
     return [(lr, seed) for lr in g.lrs for seed in g.seeds]
 
 
-# What a member's stored curve keeps of the step's metrics: the headline series in float32 (the
-# event rules read them), the per-layer series in float16 (figures and early-warning signals).
+# What a member's stored curve keeps of the step's metrics, so that results/ stays light (about
+# 45 kB a member, under 1 MB a row): the per-step series a rule or a table reads, as the step
+# wrote them (float32) -- the loss and the update norm (the spike and level-shift rules), the
+# attention logit's max over the layers (the max-logit columns read only the maximum), skipped
+# steps, the output logits' max and log Z (the z-loss table) -- and the held-out evals. The
+# groups early warning reads per layer (lab/foresight.py) keep every series, the per-layer ones
+# in float16.
+CURVE_KEYS = ("loss", "update_norm", "attn_logit_max", "skipped", "out_logit_max", "log_z",
+              "eval_step", "eval_loss", "first_step")
+FULL_CURVES = ("story8", "story8-qk", "story8-signals", "story8-signals-qk")
 CURVE_F32 = ("loss", "grad_norm", "update_norm", "attn_logit_max", "skipped", "out_logit_max",
-             "log_z")
+             "log_z", "eval_step", "eval_loss", "first_step")
 
 
 def one_device_mesh():
@@ -295,8 +188,8 @@ def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print,
                                    log=lambda s, lr=lr: log(f"{g.name} LR {lr:g}{s}"),
                                    progress=progress))
         if path is not None:
-            np.savez(path.with_suffix(".partial.npz"), **parts[-1])
-            path.with_suffix(".partial.npz").replace(path)
+            with written_whole(path) as tmp:
+                np.savez(tmp, **parts[-1])
             progress.unlink(missing_ok=True)
     arrays = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]
               if k not in ("eval_step", "seconds", "first_step", "chunk_seconds")}
@@ -333,15 +226,39 @@ def train_guarded(g: Group, log=print) -> dict:
                      "seconds": time.perf_counter() - t}
 
 
-def curve_arrays(a: dict) -> dict:
-    """What a group's stored curves keep (CURVE_F32 in float32, the rest in float16)."""
-    return {k: (v if k in CURVE_F32 or k in ("eval_step", "eval_loss", "first_step")
-                else np.asarray(v, np.float16)) for k, v in a.items()
-            if k not in ("seconds", "chunk_seconds")}
+def curve_arrays(group: str, a: dict) -> dict:
+    """What a member of `group` keeps of its arrays `a` (CURVE_KEYS, or all in FULL_CURVES).
+    Applied to what is stored already, it keeps the same (python -m lab.experiments --slim)."""
+    if group in FULL_CURVES:
+        return {k: v if k in CURVE_F32 else np.asarray(v, np.float16) for k, v in a.items()
+                if k not in ("seconds", "chunk_seconds")}
+    return {k: layer_max(a[k]) if k == "attn_logit_max" else a[k] for k in CURVE_KEYS if k in a}
 
 
-# ---------------------------------------------------------------------------------------------
-# Outcomes
+def layer_max(logit: np.ndarray) -> np.ndarray:
+    """[T, L] -> [T]: the max over the layers (NaN only where every layer is)."""
+    return np.fmax.reduce(logit, axis=-1) if np.ndim(logit) == 2 else logit
+
+
+def slim_curves(log=print) -> None:
+    """Rewrite every stored curve to what curve_arrays keeps (the rows stored before it, and
+    those a process started earlier wrote): the same file where nothing is left out."""
+    for path in sorted(SEED_CURVES.glob("*/*.npz")):
+        c = read_curve(path.parent.name, path.stem)
+        kept = curve_arrays(path.parent.name, c)
+        if kept.keys() == c.keys() and all(kept[k].shape == c[k].shape for k in c):
+            continue
+        with written_whole(path) as tmp:
+            np.savez_compressed(tmp, **kept)
+        log(f"{path}: kept {', '.join(kept)}")
+    for path in sorted(CURVES.glob("*.npz")):  # the search's groups: their loss, grad norm, evals
+        c = read_curve("", path.stem)
+        kept = {k: c[k] for k in ("loss", "grad_norm", "eval_step", "eval_loss") if k in c}
+        if kept.keys() != c.keys():
+            with written_whole(path) as tmp:
+                np.savez_compressed(tmp, **kept)
+            log(f"{path}: kept {', '.join(kept)}")
+
 
 def outcomes(g: Group, members: list[tuple[float, int, dict, int]]) -> list[dict]:
     """Per member (lr, seed, arrays, index): report.py's events (steps counted from 0; a fork's
@@ -353,7 +270,7 @@ def outcomes(g: Group, members: list[tuple[float, int, dict, int]]) -> list[dict
         loss = a["loss"][i].astype(np.float64)
         update = a["update_norm"][i]
         if first:
-            src = np.load(SEED_CURVES / g.fork / f"seed{seed}.npz")
+            src = read_curve(g.fork, f"seed{seed}")
             loss = np.concatenate([src["loss"][:first].astype(np.float64), loss])
             update = np.concatenate([src["update_norm"][:first], update])
         m = {"step": np.arange(len(loss)), "loss": loss, "update_norm": update}
@@ -374,136 +291,34 @@ def outcomes(g: Group, members: list[tuple[float, int, dict, int]]) -> list[dict
     return rows
 
 
-def first_match(base: list[float], qk: list[float], steps: list[int], tol: float = 0.05):
-    """The last eval step S1 at which the baseline's held-out loss is within `tol` of the
-    QK-Norm run's (the baseline "learns like the QK-Norm run" up to S1); None if never."""
-    ok = [s for s, b, q in zip(steps, base, qk) if abs(b - q) <= tol]
-    return ok[-1] if ok else None
-
-
-def judge(rows: list[dict]) -> list[dict]:
-    """Per (baseline group, LR): S1, spikes after S1 per seed, the QK-Norm twin's spikes."""
-    by = {(r["group"], r["lr"], r["seed"]): r for r in rows}
-    verdicts = []
-    for (group, lr, seed), r in sorted(by.items()):
-        if group.endswith("-qk"):
-            continue
-        twin = by.get((REGISTRY[group].compare_with if group in REGISTRY
-                       and REGISTRY[group].compare_with else group + "-qk", lr, seed))
-        s1 = twin and first_match(r["eval_loss"], twin["eval_loss"], r["eval_step"])
-        after = s1 if s1 is not None else 0
-        verdicts.append({
-            "group": group, "lr": lr, "seed": seed, "s1": s1,
-            "spikes_after_s1": sum(s >= after for s in r["spike_steps"]),
-            "shifts_after_s1": sum(s >= after for s in r["shift_steps"]),
-            "qk_spikes": len(twin["spike_steps"]) if twin else None,
-            "eval": r["eval_loss"][-1], "qk_eval": twin["eval_loss"][-1] if twin else None,
-            "max_logit": r["max_attn_logit"],
-        })
-    return verdicts
-
-
-def story_found(verdicts: list[dict], min_spikes: int = 3) -> list[tuple[str, float]]:
-    """(group, LR) where every seed has an S1 and >= min_spikes spikes after it."""
-    cells: dict = {}
-    for v in verdicts:
-        cells.setdefault((v["group"], v["lr"]), []).append(
-            v["s1"] is not None and v["spikes_after_s1"] >= min_spikes)
-    return [k for k, oks in cells.items() if len(oks) >= 3 and all(oks)]
-
-
-def summary(rows: list[dict]) -> str:
-    verdicts = judge(rows)
-    lines = [f"{'group':<24} {'lr':>7} {'seed':>4} {'S1':>5} {'spikes>S1':>9} {'shifts':>6} "
-             f"{'qk spikes':>9} {'held-out':>8} {'qk':>6} {'max logit':>9}"]
-    for v in verdicts:
-        lines.append(f"{v['group']:<24} {v['lr']:>7.1e} {v['seed']:>4} {str(v['s1']):>5} "
-                     f"{v['spikes_after_s1']:>9} {v['shifts_after_s1']:>6} "
-                     f"{str(v['qk_spikes']):>9} {v['eval']:>8.3f} "
-                     f"{v['qk_eval'] if v['qk_eval'] is None else round(v['qk_eval'], 3)!s:>6} "
-                     f"{v['max_logit']:>9.3g}")
-    found = story_found(verdicts)
-    lines.append("every seed learns, then has >= 3 one-step spikes after S1 (these runs): "
-                 + (", ".join(f"{g} at LR {lr:g}" for g, lr in found) if found else "none"))
-    return "\n".join(lines)
-
-
-def markdown(rows: list[dict]) -> str:
-    """One table row per group and LR: settings, spikes and level shifts per seed (after S1
-    where the group has a QK-Norm twin), held-out loss mean ± sd, the largest attention logit."""
-    verdicts = {(v["group"], v["lr"], v["seed"]): v for v in judge(rows)}
-    cells: dict = {}
-    for r in rows:
-        if r["group"] in SEARCH_NAMES:  # the rows experiments.py adds have their own tables
-            cells.setdefault((r["group"], r["lr"]), []).append(r)
-    lines = ["| group | β2 | ε | warmup | LR | spikes per seed | level shifts | S1 (vs QK-Norm) | "
-             "held-out (nats/byte) | max attn logit | spike steps |", "|---" * 11 + "|"]
-    for (group, lr), members in cells.items():
-        m0 = members[0]
-        v = [verdicts.get((group, lr, r["seed"])) for r in members]
-        s1 = ", ".join(str(x["s1"]) if x and x["s1"] is not None else "—" for x in v)
-        if group.endswith("-qk") or all(x is None or x["qk_spikes"] is None for x in v):
-            s1 = "no twin run" if not group.endswith("-qk") else "(the twin)"
-        evals = np.array([r["eval_loss"][-1] for r in members])
-        logits = [r["max_attn_logit"] for r in members]
-        lines.append(
-            f"| {group} | {m0['b2']} | {m0['eps']:g} | {m0['warmup_steps']} | {lr:g} | "
-            f"{', '.join(str(len(r['spike_steps'])) for r in members)} | "
-            f"{', '.join(str(len(r['shift_steps'])) for r in members)} | {s1} | "
-            f"{evals.mean():.3f} ± {evals.std(ddof=1):.3f} | "
-            f"{min(logits):,.0f}–{max(logits):,.0f} | "
-            f"{'; '.join(','.join(map(str, r['spike_steps'])) or '—' for r in members)} |")
-    return "\n".join(lines)
-
-
-def plot(record: dict, out: pathlib.Path) -> pathlib.Path:
-    """results/search.png: for each group with a QK-Norm twin, one panel per LR the two share:
-    each seed's train loss (EMA, span 20) without QK-Norm (solid) and with it (dashed), the
-    one-step spikes as dots and the level shifts as crosses on the run without."""
-    plt = pyplot()
-    pairs = [(g, lr) for g, v in record["groups"].items()
-             if g + "-qk" in record["groups"] and g in SEARCH_NAMES
-             for lr in v["lrs"] if lr in record["groups"][g + "-qk"]["lrs"]]
-    fig, axes = plt.subplots(len(pairs), 1, figsize=(9, 3.2 * len(pairs)), squeeze=False)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (group, lr) in zip(axes[:, 0], pairs):
-        for name, style in ((group, "-"), (group + "-qk", "--")):
-            curves = np.load(CURVES / f"{name}.npz")["loss"]
-            for i, m in enumerate(record["groups"][name]["members"]):
-                if m["lr"] != lr:
-                    continue
-                y = ema(curves[i].astype(np.float64))
-                c = colors[m["seed"] % len(colors)]
-                ax.plot(y, style, color=c, lw=1.0, label=f"seed {m['seed']}"
-                        + (" QK-Norm" if name.endswith("-qk") else ""))
-                if style == "-":
-                    ax.plot(m["spike_steps"], y[m["spike_steps"]], "o", color=c, ms=4)
-                    ax.plot(m["shift_steps"], y[m["shift_steps"]], "x", color=c, ms=7)
-        ax.set_title(f"{group}, LR {lr:g}: train loss (EMA 20) without QK-Norm (solid), with "
-                     "it (dashed);\ndots: one-step spikes, crosses: level shifts", fontsize=9)
-        ax.set_ylabel("nats/byte")
-        ax.set_ylim(1.2, 2.8)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
-    axes[-1, 0].set_xlabel("step")
-    return save_figure(fig, out / "search.png", dpi=100)
-
-
 def load() -> dict:
-    return json.loads(OUT.read_text()) if OUT.exists() else {"machine": {}, "groups": {}}
+    """results/search.json, every group's record; a damaged file is one line naming it."""
+    if not OUT.exists():
+        return {"machine": {}, "groups": {}}
+    try:
+        record = json.loads(OUT.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{OUT} cannot be read ({type(e).__name__}): it is damaged; restore it "
+                        f"(git checkout {OUT}) and run the same command again") from None
+    if not isinstance(record, dict) or not isinstance(record.get("groups"), dict) or not all(
+            isinstance(g, dict) and isinstance(g.get("members"), list)
+            for g in record["groups"].values()):
+        raise UserError(f"{OUT} is not the harness's record (no groups with members): restore "
+                        f"it (git checkout {OUT}) and run the same command again")
+    return record
 
 
 def save_group(name: str, entry: dict) -> None:
-    """Add one group's record to results/search.json, under a lock: several search.py processes
+    """Add one group's record to results/search.json, under a lock: several harness processes
     (one per core) may finish groups at the same time."""
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    with open(OUT.with_suffix(".lock"), "w") as lock:
+    SNAPSHOTS.mkdir(parents=True, exist_ok=True)
+    with open(SNAPSHOTS / "search.json.lock", "w") as lock:  # under runs/: not a result
         fcntl.flock(lock, fcntl.LOCK_EX)
         record = load()
         record["groups"][name] = entry
-        tmp = OUT.with_suffix(".json.partial")
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        tmp.replace(OUT)
+        with written_whole(OUT) as tmp:
+            tmp.write_text(json.dumps(record, indent=1) + "\n")
 
 
 # A fork's source keeps its stacked train state here (not under results/: ~20 MB a snapshot).
@@ -515,9 +330,9 @@ def save_state(path: pathlib.Path, state, extra: dict | None = None) -> None:
     written whole or not at all."""
     path.parent.mkdir(parents=True, exist_ok=True)
     leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(state))
-    np.savez(path.with_suffix(".partial.npz"), **(extra or {}),
-             **{jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves})
-    path.with_suffix(".partial.npz").replace(path)
+    with written_whole(path) as tmp:
+        np.savez(tmp, **(extra or {}),
+                 **{jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves})
 
 
 def load_state(path: pathlib.Path, like) -> tuple[dict, dict]:
@@ -541,21 +356,21 @@ def load_snapshot(group: str, step: int, like) -> dict:
     """The stacked state `group` kept at `step`, in the structure of `like` (no pickle)."""
     path = SNAPSHOTS / group / f"step-{step}.npz"
     if not path.is_file():
-        raise UserError(f"{path} is missing: run python experiments.py {group} first (it keeps its "
-                        "state every 250 steps there)")
+        raise UserError(f"{path} is missing: run python -m lab.experiments {group} first (it "
+                        "keeps its state every 250 steps there)")
     return load_state(path, like)[0]
 
 
 def fork_steps(g: Group) -> dict[int, int]:
     """seed -> the step a fork of g.fork starts from: the first 250-step boundary after the
     source seed's first level shift, or where it has none, after its first one-step spike past
-    the warmup (experiments.py's rule for the train.py rescues); seeds with neither are left
+    the warmup (lab/experiments.py's rule for the train.py rescues); seeds with neither are left
     out, and so are those whose boundary is the run's end. Read from the source's stored
     curves."""
     src = REGISTRY[g.fork]
     out = {}
     for seed in g.seeds:
-        c = np.load(SEED_CURVES / src.name / f"seed{seed}.npz")
+        c = read_curve(src.name, f"seed{seed}")
         m = {"step": np.arange(len(c["loss"])), "loss": c["loss"].astype(np.float64),
              "update_norm": c["update_norm"]}
         events = find_shifts(m) or [e for e in find_spikes(m) if e.step >= g.warmup_steps]
@@ -584,7 +399,7 @@ def train_fork(g: Group, log=print) -> dict:
             raise UserError(f"{SNAPSHOTS / src.name}/step-{at}.npz is missing: {src.name} keeps "
                             f"its state there every {src.snapshot_every} steps as it trains, and "
                             "runs/ is not committed; train it again here first (take its entry "
-                            "out of results/search.json, then python experiments.py "
+                            "out of results/search.json, then python -m lab.experiments "
                             f"{src.name})")
     src_cfg = src.config()
     src_tx = T.make_tx(src_cfg)
@@ -612,7 +427,8 @@ def train_fork(g: Group, log=print) -> dict:
     return {"parts": parts}
 
 
-def run(groups: list[Group]) -> None:
+def run(groups: list[Group], report=None) -> None:
+    """Train and record each group not yet in results/search.json; `report(members)` after each."""
     for g in groups:
         if g.name in load()["groups"]:
             continue
@@ -639,56 +455,46 @@ def run(groups: list[Group]) -> None:
         (SEED_CURVES / g.name).mkdir(parents=True, exist_ok=True)
         for lr, seed, a, i in members:  # one file per member
             tag = f"seed{seed}" if len(g.lrs) == 1 else f"lr{lr:g}-seed{seed}"
-            np.savez_compressed(SEED_CURVES / g.name / f"{tag}.npz", **curve_arrays(
-                {k: v[i] if k not in ("eval_step", "first_step", "seconds", "chunk_seconds")
-                 else v for k, v in a.items()}))
+            with written_whole(SEED_CURVES / g.name / f"{tag}.npz") as tmp:
+                np.savez_compressed(tmp, **curve_arrays(g.name, {
+                    k: v[i] if k not in ("eval_step", "first_step", "seconds", "chunk_seconds")
+                    else v for k, v in a.items()}))
         save_group(g.name, {"settings": g.settings(), "lrs": list(g.lrs),
                             "seeds": sorted({s for _, s, _, _ in members}),
                             "seconds": round(seconds), "machine": machine(),
                             "members": outcomes(g, members)})
         for path in (SNAPSHOTS / g.name).glob("lr*.npz"):  # recorded: the kept LRs go
             path.unlink()
-        rows = [r for v in load()["groups"].values() for r in v["members"]]
-        print(summary(rows), flush=True)
+        if report is not None:  # every member recorded so far
+            report([r for v in load()["groups"].values() for r in v["members"]])
 
 
-@dataclasses.dataclass(frozen=True)
-class SearchArgs:
-    groups: tyro.conf.Positional[tuple[str, ...]] = ()  # groups to run (default: all not done)
-    list: bool = False  # the groups and whether each is done
-    summary: bool = False  # the table of outcomes (no training)
-    markdown: bool = False  # the README's table of the search
-    plot: bool = False  # results/search.png and the search's table in results/README.md
+def read_curve(group: str, member: str) -> dict[str, np.ndarray]:
+    """The stored curve results/curves/GROUP/MEMBER.npz (MEMBER: seedN or lrLR-seedN), or with
+    group "" the search's results/search/MEMBER.npz: every array. A missing or damaged file is one
+    line naming it."""
+    path = (SEED_CURVES / group if group else CURVES) / f"{member}.npz"
+    remake = f"python -m lab.experiments {group or member} makes it"
+    try:
+        with np.load(path) as f:
+            c = {k: f[k] for k in f.files}
+    except FileNotFoundError:
+        raise UserError(f"{path} is missing: {remake}") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise UserError(f"{path} cannot be read ({type(e).__name__}): it is damaged; {remake} "
+                        "again (after taking its group out of results/search.json)") from None
+    return c
 
 
-def main(argv: list[str]) -> int:
-    """The search's own groups (the story's levers, LR sweep and evidence are experiments.py's
-    rows: python experiments.py ROW)."""
-    args = parse(SearchArgs, argv, description=__doc__)
-    unknown = set(args.groups) - {g.name for g in GROUPS}
-    if unknown:
-        name = sorted(unknown)[0]
-        hint = (f"a row of experiments.py: python experiments.py {name}" if name in REGISTRY
-                else "python search.py --list")
-        raise UserError(f"unknown search group {name!r}; {hint}")
-    groups = [g for g in GROUPS if not args.groups or g.name in args.groups]
-    record = load()
-    rows = [r for v in record["groups"].values() for r in v["members"]]
-    if args.list:
-        for g in groups:
-            print(f"{g.name:<28} {'done' if g.name in record['groups'] else 'to run'}")
-    elif args.summary:
-        print(summary(rows))
-    elif args.markdown:
-        print(markdown(rows))
-    elif args.plot:
-        print(f"wrote {plot(record, OUT.parent)}")
-        update_readme(markdown(rows), part="search", writer="search.py")
-        print(f"wrote the search's table in {OUT.parent}/README.md")
-    else:
-        run(groups)
-    return 0
+def seed_curve(group: str, seed: int) -> dict:
+    """A member's stored curve as report.py reads a run: per-step arrays indexed by "step"
+    (a fork's start at its fork step), and its evals."""
+    c = read_curve(group, f"seed{seed}")
+    first = int(c["first_step"])
+    n = len(c["loss"])
+    return {"step": np.arange(first, first + n), "loss": c["loss"].astype(np.float64),
+            "update_norm": c["update_norm"].astype(np.float64),
+            "attn_logit_max": layer_max(c["attn_logit_max"]), "eval_step": c["eval_step"],
+            "eval_loss": c["eval_loss"], "first_step": first}
 
 
-if __name__ == "__main__":
-    sys.exit(command(main)(sys.argv[1:]))

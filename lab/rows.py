@@ -1,0 +1,282 @@
+"""Every row of the story: the train.py rows (`Experiment`: one train.py / warmstart.py command
+per seed) and the harness groups (`Group`: one compiled step vmapped over seeds, lab/harness.py),
+each declared once, with its label and the figure panel it is drawn in. `REGISTRY` holds every
+group by name (the search's own, the levers, the LR sweep, the evidence, the widths, the z-loss
+and knob rows), built here without import side effects, so that a fork finds its source and S1
+its QK-Norm twin whichever command runs.
+
+    python -m lab.experiments --list   # every row and whether it has run
+"""
+
+import dataclasses
+
+from config import PRESETS, TrainConfig
+from guard import GuardConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One compiled step: the settings every member shares, and the grid of LRs x seeds."""
+    name: str
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    qk_norm: bool = False
+    batch_size: int = 16
+    seq_len: int = 128
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    z_loss_weight: float = 1e-4
+    warmup_steps: int = 100
+    steps: int = 2000
+    lrs: tuple[float, ...] = (1e-2,)
+    seeds: tuple[int, ...] = (0, 1, 2)
+    optim: tuple[tuple[str, object], ...] = ()  # a lever: OptimConfig fields, (name, value)
+    model: tuple[tuple[str, object], ...] = ()  # ...or ModelConfig fields
+    compare_with: str = ""  # the QK-Norm group S1 is taken against (default: NAME-qk)
+    # A mid-run arm from this group's kept states (see fork_steps): QK-Norm inserted where the
+    # arm has it, else its settings (QK-Clip) switched on as a resume does.
+    fork: str = ""
+    snapshot_every: int = 0  # keep the stacked train state every N steps (a fork's source)
+    # The guard on (GuardConfig fields): its rollbacks are the loop's, so each seed is a
+    # train.py run (train.train, one after the other, resumable), its metrics.jsonl the curve.
+    guard: tuple[tuple[str, object], ...] = ()
+    spectral: bool = False  # log the q/k spectral entropy too (train.py --spectral-metrics)
+
+    def config(self, lr: float | None = None) -> TrainConfig:
+        """train.py's config of one member at `lr` (default: the group's first LR)."""
+        base = PRESETS["story"]
+        model = dataclasses.replace(
+            base.model, d_model=self.d_model, d_ff=round(8 / 3 * self.d_model / 4) * 4,
+            n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
+            qk_norm=self.qk_norm, z_loss_weight=self.z_loss_weight,
+            **({"attention": "auto"} | dict(self.model)))
+        optim = dataclasses.replace(base.optim, lr=self.lrs[0] if lr is None else lr,
+                                    b2=self.b2, eps=self.eps, weight_decay=self.weight_decay,
+                                    warmup_steps=self.warmup_steps, max_grad_norm=0.0,
+                                    min_lr_ratio=1.0)
+        optim = dataclasses.replace(optim, **dict(self.optim))
+        data = dataclasses.replace(base.data, batch_size=self.batch_size, seq_len=self.seq_len,
+                                   eval_sequences=64)
+        guarded = GuardConfig(on=True, **dict(self.guard)) if self.guard else base.guard
+        return dataclasses.replace(base, model=model, optim=optim, data=data, steps=self.steps,
+                                   guard=guarded, spectral_metrics=self.spectral)
+
+    def settings(self) -> dict:
+        d = dataclasses.asdict(self) | {"optim": dict(self.optim), "model": dict(self.model),
+                                        "guard": dict(self.guard)}
+        return {k: v for k, v in d.items() if k not in ("name", "lrs", "seeds", "compare_with")
+                and (k not in ("optim", "model", "fork", "snapshot_every", "guard", "spectral")
+                     or v)}
+
+
+def twin(g: Group, **kw) -> Group:
+    """The group's QK-Norm twin (the comparison the story needs)."""
+    return dataclasses.replace(g, name=g.name + "-qk", qk_norm=True, **kw)
+
+
+# The search, in the order it was run. The notes say why each group was tried. A QK-Norm twin
+# ("-qk") runs once its baseline shows spikes worth comparing.
+GROUPS = [
+    # d_model 64 at moderate LRs (3e-2 collapses within ~100 steps), beta2 0.95, 2,000 steps.
+    Group("d64-b2.95", lrs=(6e-3, 1e-2, 1.5e-2, 2e-2)),
+    # A stale second moment (beta2 0.999) and a tiny eps (Molybog et al., Bai et al.).
+    Group("d64-b2.999-eps1e-15", b2=0.999, eps=1e-15, lrs=(6e-3, 1e-2, 1.5e-2, 2e-2)),
+    # The first group learned at every LR without an instability (logits up to 492; its few
+    # spikes fell on the same steps at every LR of a data seed: hard batches). Learn first at
+    # a low LR, then meet the LR that collapses a fresh model (3e-2) or more: a long warmup.
+    Group("d64-b2.95-warmup1000", warmup_steps=1000, lrs=(3e-2, 5e-2)),
+]
+# QK-Norm twins: the comparison that decides S1 (queued before the warmup group).
+GROUPS.insert(2, twin(GROUPS[1], lrs=(1e-2, 2e-2)))
+# The two single-seed events came late (steps 646 and 1,882): longer runs, other seeds.
+GROUPS += [
+    Group("d64-b2.999-eps1e-15-4k", b2=0.999, eps=1e-15, lrs=(2e-2,), seeds=(3, 4, 5),
+          steps=4000),
+    Group("d64-b2.95-warmup1000-4k", warmup_steps=1000, lrs=(5e-2,), steps=4000),
+]
+# That group breaks late in every seed (level shifts that never come back): its QK-Norm twin.
+GROUPS.append(twin(GROUPS[-1]))
+# The story regime (train.py's `story` preset) is that group. The levers, from scratch on it,
+# each compared with its QK-Norm twin (S1) and with it (the spikes and shifts after S1).
+STORY = GROUPS[-2]
+SEARCH_NAMES = {g.name for g in GROUPS}  # the search's own groups (the rows below add theirs)
+
+
+STORY_PRESET = "story"  # the preset (train.py)
+REWARMUP = 100
+REPLACED = 20  # replace-batches: the batches of this many steps before the event
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """One row of the results: how its runs are made, what it is compared with, where it is
+    drawn. Adding a lever is adding one of these."""
+    name: str
+    flags: tuple[str, ...] = ()  # train.py flags on top of the preset
+    preset: str = STORY_PRESET
+    baseline: str | None = "baseline"  # the row its held-out loss is compared with
+    panels: tuple[str, ...] = ("rescue",)  # the figures (PANELS) it is drawn in
+    # How its runs start: "train" from scratch; "rescue": QK-Norm inserted by warmstart.py into
+    # `source` at the first checkpoint after its first event (start_step); "switch": `source`
+    # resumed from that checkpoint with `flags` added (a setting a resume may switch on,
+    # QK-Clip); "replace": `source` rewound to its last
+    # checkpoint before its largest loss event and run on with the batches of the REPLACED
+    # steps before the event replaced (Marin: "we tried skipping the problematic step").
+    start: str = "train"
+    source: str = ""
+
+
+LOGITS = "logits"  # a row drawn in attn_logits_per_layer.png (its first seed's layers)
+EXPERIMENTS = [
+    Experiment("baseline", baseline=None, panels=("rescue", LOGITS)),
+    # Mid-run, after the baseline's first level shift: QK-Norm inserted, QK-Clip switched on;
+    # the batches before its largest event replaced
+    Experiment("rescue", panels=("rescue", LOGITS), start="rescue", source="baseline"),
+    Experiment("qk-clip-switched-on", ("--optim.qk-clip", "100"), start="switch",
+               source="baseline"),
+    Experiment("replace-batches", start="replace", source="baseline"),
+    # The guard (guard.py): rollback and data replacement only, then with escalation to QK-Norm
+    Experiment("guard", ("--guard",)),
+    Experiment("guard-escalate", ("--guard", "--guard.escalate", "qk-norm"),
+               panels=("rescue", LOGITS)),
+    # The 32B's configuration (clip 0.2, skip-step, update-norm clip), then QK-Norm inserted
+    Experiment("marin-32b", ("--optim.max-grad-norm", "0.2", "--optim.skip-step",
+                             "--optim.update-clip", "norm"), panels=("marin-32b",)),
+    Experiment("rescue-marin-32b", baseline="marin-32b", panels=("marin-32b",), start="rescue",
+               source="marin-32b"),
+]
+BY_NAME = {e.name: e for e in EXPERIMENTS}
+NAMES = list(BY_NAME)
+# The figures: name -> (file, title); each draws the rows that name it in `panels`.
+PANELS = {
+    "rescue": ("qk_norm_and_rescue.png", "the baseline; QK-Norm inserted and QK-Clip switched "
+               "on after its first level shift,\nthe batches before its largest event "
+               "replaced; the guard (rollback; rollback, then QK-Norm)"),
+    "marin-32b": ("marin_32b_and_rescue.png", "the 32B's configuration (clip 0.2, skip-step, "
+                  "update-norm clip);\nQK-Norm inserted into it after its first level shift"),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The harness's rows (lab/harness.py trains them: train.py's own step vmapped over seeds, or for a
+# guarded row train.py's loop per seed). Adding a lever is one row here.
+
+def lever(name: str, model: dict | None = None, **optim) -> Group:
+    return dataclasses.replace(STORY, name=f"story-{name}", optim=tuple(optim.items()),
+                               model=tuple((model or {}).items()),
+                               compare_with=STORY.name + "-qk")
+
+
+LEVERS = [
+    lever("marin-32b", max_grad_norm=0.2, skip_step=True, update_clip="norm"),  # the three
+    lever("clip-0.2", max_grad_norm=0.2),
+    lever("skip-step", skip_step=True),
+    lever("update-clip-norm", update_clip="norm"),
+    lever("qk-clip-100", qk_clip=100.0),
+    lever("softcap-50", model={"attn_softcap": 50.0}),  # Gemma 2's cap
+    lever("zclip", grad_clip="zclip"),
+    lever("update-clip-rms", update_clip="rms"),
+    lever("muon", optimizer="muon", muon_head=True),  # (the variant run then: LM head on Muon)
+]
+# LR sensitivity as Wortsman et al. (2309.14322) define it: the story regime at each LR of a
+# half-decade grid from 1e-3 to 1, with and without QK-Norm, one group per LR and arm (each
+# recorded as it finishes), the LRs nearest the story's 5e-2 first.
+SWEEP_LRS = (1e-1, 3e-2, 3e-1, 1.0, 1e-2, 3e-3, 1e-3)
+SWEEP = [g for lr in SWEEP_LRS for base in [dataclasses.replace(STORY, name=f"story-lr{lr:g}",
+                                                                lrs=(lr,))]
+         for g in (base, twin(base))]
+# The evidence: the story regime over 8 seeds (init and data order both drawn from the seed),
+# with train.py's own step (unrolled layers, the story preset's since then): the baseline
+# (keeping its state every 250 steps, where a warm start can begin), its QK-Norm twin, the 32B's
+# three levers, and QK-Norm inserted mid-run (fork_steps) with a 100-step re-warmup from 0.1x.
+EVIDENCE_SEEDS = tuple(range(8))
+EVIDENCE = dataclasses.replace(STORY, name="story8", seeds=EVIDENCE_SEEDS, snapshot_every=250)
+EVIDENCE_GROUPS = [
+    EVIDENCE, twin(EVIDENCE, snapshot_every=0),
+    dataclasses.replace(LEVERS[0], name="story8-marin-32b", seeds=EVIDENCE_SEEDS,
+                        compare_with="story8-qk"),
+    dataclasses.replace(EVIDENCE, name="story8-qk-inserted", qk_norm=True, fork="story8",
+                        snapshot_every=0, compare_with="story8-qk",
+                        optim=(("rewarmup_steps", 100), ("rewarmup_from_ratio", 0.1))),
+]
+# The guard with escalation to QK-Norm (train.py's loop, one seed after the other); with the
+# data check on (the story has no data shift: every "data" record is a shift let through); and
+# acting before the break, when the max logit passes 100 at a checkpoint step (predict).
+EVIDENCE_GROUPS += [dataclasses.replace(EVIDENCE, name=f"story8-guard-{tag}",
+                                        snapshot_every=0, compare_with="story8-qk",
+                                        guard=(("escalate", "qk-norm"), *more))
+                    for tag, more in (("escalate", ()),
+                                      ("escalate-data", (("data_fraction", 0.5),)),
+                                      ("predict", (("predict", "max-logit"),)),
+                                      # (its one-step spikes left alone: no rollback at all?)
+                                      ("predict-only", (("predict", "max-logit"),
+                                                        ("spikes", False))))]
+# The references' tools over the same seeds (run after the four above): QK-Clip's signed max
+# and no-growth rule, Muon with the references' split, MuonClip (Muon + QK-Clip, as K2).
+EVIDENCE_GROUPS += [
+    dataclasses.replace(lever(name, **optim), name=f"story8-{name}", seeds=EVIDENCE_SEEDS,
+                        compare_with="story8-qk")
+    for name, optim in (("qk-clip-100", {"qk_clip": 100.0}), ("muon", {"optimizer": "muon"}),
+                        ("muonclip-100", {"optimizer": "muon", "qk_clip": 100.0}))]
+# The baseline again with the final code (story8 predates a refactor of attention.py that moved
+# its float rounding: its steps part from step 1-21 on): a rerun of the row as a whole, and
+# the source of QK-Clip 100 switched on mid-run at the same rule's step (no re-warmup: a
+# resume's switch).
+EVIDENCE_GROUPS += [
+    dataclasses.replace(EVIDENCE, name="story8-rerun"),
+    dataclasses.replace(EVIDENCE, name="story8-qk-clip-switched", fork="story8-rerun",
+                        snapshot_every=0, compare_with="story8-qk", optim=(("qk_clip", 100.0),))]
+# The baseline and its twin once more, with every early-warning signal computed online in the
+# step (python -m lab.foresight --group story8-signals): the update/weight ratio and
+# m / sqrt(v) per layer, the q/k spectral entropy.
+EVIDENCE_GROUPS += [g for base in [dataclasses.replace(EVIDENCE, name="story8-signals",
+                                                       snapshot_every=0, spectral=True)]
+                    for g in (base, twin(base))]
+# The other levers alone, over the same seeds (queued after those).
+EVIDENCE_GROUPS += [dataclasses.replace(g, name=g.name.replace("story-", "story8-"),
+                                        seeds=EVIDENCE_SEEDS, compare_with="story8-qk")
+                    for g in LEVERS if g.name in ("story-clip-0.2", "story-skip-step",
+                                                  "story-update-clip-norm", "story-softcap-50",
+                                                  "story-zclip", "story-update-clip-rms")]
+# Wortsman et al.'s small-scale proxy across widths (2309.14322, Fig. 1): does the break come
+# closer to the best LR as the model grows? d_model 32, 64, 128 at the story's depth, head_dim
+# 16 (the heads scale with the width, two query heads per KV head), the same data, tokens and
+# schedule; per width and arm one group over the LR grid (one compiled step per LR): ~1 h an
+# arm on one core at d_model 32, ~2.5 h at 64, ~7 h at 128. The best LR fell from 3e-3 at
+# d_model 32 to 1e-3 at 64, so 128 also runs 1e-4 to keep its best bracketed. LR sensitivity
+# is taken over the paper's range, 3e-4 to 3e-1 (its §2.2: three decades), at every width; the
+# grid goes on to 1 to find where both arms break.
+WIDTHS = (32, 64, 128)
+WIDTH_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
+SENSITIVITY_LRS = WIDTH_LRS[:-1]
+WIDTH_ROWS = [g for d in WIDTHS for base in [dataclasses.replace(
+    STORY, name=f"width{d}", d_model=d, n_heads=d // 16, n_kv_heads=d // 32,
+    lrs=(1e-4, *WIDTH_LRS) if d == 128 else WIDTH_LRS, seeds=(0, 1, 2),
+    compare_with=f"width{d}-qk")] for g in (base, twin(base))]
+# The second instability (Wortsman et al. §3.2, output-logit divergence): d_model 32 around its
+# break (0.1, 0.3, 1), z-loss off against on (1e-4), with and without QK-Norm; the step reports
+# the output logits' max |logit| and mean log Z. ~20 min a group on one core (AMD EPYC).
+ZLOSS_ROWS = [g for z in (0.0, 1e-4) for base in [dataclasses.replace(
+    WIDTH_ROWS[0], name=f"zloss{z:g}-width32", lrs=(0.1, 0.3, 1.0), z_loss_weight=z,
+    compare_with=f"zloss{z:g}-width32-qk")] for g in (base, twin(base))]
+# When is QK-Norm necessary? The knobs the 32B had that a small run does not, each an LR sweep
+# of the d_model 32 proxy without and with QK-Norm, judged by the widths rows' rules (best LR:
+# the lowest mean held-out; break LR: the lowest LR with a level shift in >= half the seeds;
+# the distance in decades, its spread the range of the seeds' own break/best over the seeds).
+# The grid brackets d_model 32's best (3e-3) and break (0.3; 1 with QK-Norm). Adam's beta2 as
+# in most recipes (0.999; the proxy's 0.95), Marin's epsilon (1e-15), no weight decay.
+KNOB_LRS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
+KNOBS = {"b2.999": {"b2": 0.999}, "eps1e-15": {"eps": 1e-15}, "wd0": {"weight_decay": 0.0}}
+KNOB_ROWS = [g for tag, knob in KNOBS.items() for base in [dataclasses.replace(
+    WIDTH_ROWS[0], name=f"width32-{tag}", lrs=KNOB_LRS, compare_with=f"width32-{tag}-qk",
+    **knob)] for g in (base, twin(base))]
+HARNESS_ROWS = {g.name: g for g in (*LEVERS, *SWEEP, *EVIDENCE_GROUPS, *WIDTH_ROWS, *ZLOSS_ROWS,
+                                    *KNOB_ROWS)}
+
+
+
+# Every group by name: the search's own and every row above.
+REGISTRY: dict[str, Group] = {g.name: g for g in GROUPS} | HARNESS_ROWS

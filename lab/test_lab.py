@@ -1,0 +1,613 @@
+"""The laboratory's tests (lab/): the rules over seeds, the rows, the vmapped harness, the tables
+and figures on planted members. Run with the rest of the suite by `pytest` (pytest.ini's
+testpaths); alone: `pytest lab/`.
+"""
+
+import dataclasses
+import functools
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import checkpoint as C
+import report as R
+import train as T
+from lab import experiments as EX
+from lab import figures as FG
+from lab import foresight as F
+from lab import harness as H
+from lab import rows as RW
+from lab import search as SE
+from lab import stats as ST
+from lab import tables as TB
+
+# ---------------------------------------------------------------------------------------------
+# lab/stats.py: episodes, hard batches, recovery, survival, splicing, the bootstrap
+
+def test_events_within_20_steps_are_one_episode_and_a_shift_makes_it_a_level_shift_episode():
+    eps = ST.episodes([100, 110, 125, 300, 600], [305, 1000])
+    assert [(e.start, e.end, e.spikes, e.shifts) for e in eps] == [
+        (100, 125, 3, 0), (300, 305, 1, 1), (600, 600, 1, 0), (1000, 1000, 0, 1)]
+    assert [e.level_shift for e in eps] == [False, True, False, True]
+    assert len(ST.episodes([100, 121], [])) == 2  # 21 steps apart: two
+
+
+def test_an_episode_where_the_stable_twin_jumps_too_is_a_hard_batch():
+    steps = np.arange(700)
+    twin = 2.0 + 0.01 * np.where(steps % 2, 1.0, -1.0)  # sd 0.01: 3 sigma is 0.03
+    twin[200] += 0.1  # a hard batch: the stable twin jumps there too
+    twin[260] += 0.02  # under 3 sigma: no jump
+    assert list(np.nonzero(ST.jumps(twin))[0]) == [200]
+    twin_shift_steps = [410]
+    eps = ST.mark_hard_batches(ST.episodes([200, 260], [400, 600]), twin, twin_shift_steps)
+    assert [(e.start, e.hard_batch) for e in eps] == [(200, True), (260, False), (400, True),
+                                                      (600, False)]
+    assert ST.episodes([1], [])[0].hard_batch is None  # no twin asked
+
+
+def test_a_shift_back_within_the_tolerance_is_recovered_and_one_not_back_is_censored():
+    rng = np.random.default_rng(0)
+    loss = 2.0 + 0.01 * rng.standard_normal(1000)
+    loss[300:500] += 0.3  # a level shift...
+    loss[500:] += 0.03  # ...back to 0.03 above the level before: within 0.05
+    m = {"step": np.arange(1000), "loss": loss}
+    (shift,) = R.find_shifts(m)
+    assert shift.recovered_after is None  # the old rule: never back (it asks for the level)
+    steps, ok = ST.recovery(loss, shift.step, shift.pre_level)
+    assert ok and 500 - shift.step <= steps <= 520 - shift.step
+    held = loss.copy()
+    held[500:] += 0.3  # never back: censored at the run's end
+    assert ST.recovery(held, shift.step, shift.pre_level) == (999 - shift.step, False)
+    noisy = 2.0 + 0.5 * rng.standard_normal(1000)  # noise 0.5/sqrt(20) = 0.11 > 0.05
+    noisy[600:] += 0.1
+    assert ST.recovery(noisy, 600, 2.0)[1]  # within the smoothed loss's own noise at once
+
+
+def test_the_survival_table_leaves_censored_shifts_out_once_their_run_has_ended():
+    rows = ST.survival([(50, True), (300, True), (200, False), (800, False)], at=(100, 250, 500,
+                                                                               1000))
+    assert [(r["k"], r["at_risk"], r["not_back"]) for r in rows] == [
+        (100, 4, 3), (250, 3, 2), (500, 3, 1), (1000, 2, 0)]
+    assert rows[0]["share_not_back"] == 0.75
+
+
+def test_a_mid_run_arm_is_judged_on_its_source_curve_up_to_the_insertion():
+    src = {"step": np.arange(100), "loss": np.full(100, 2.0), "update_norm": np.ones(100)}
+    arm = {"step": np.arange(50, 100), "loss": np.full(50, 1.0), "update_norm": np.ones(50),
+           "eval_loss": np.array([1.0])}
+    m = ST.spliced(src, arm, 50)
+    assert list(m) == ["step", "loss", "update_norm"]
+    assert list(m["step"]) == list(range(100)) and m["loss"][49] == 2.0 and m["loss"][50] == 1.0
+    # a spike 3 steps after the insertion is seen: the history before it is the source's
+    rng = np.random.default_rng(0)
+    src["loss"] = 2.0 + 0.01 * rng.standard_normal(100)
+    arm["loss"] = src["loss"][50:].copy()
+    arm["loss"][3] += 1.0
+    assert [s.step for s in R.find_spikes(ST.spliced(src, arm, 50))] == [53]
+    assert R.find_spikes(arm | {"step": np.arange(50)}) == []  # the arm alone: unarmed
+
+
+def test_the_bootstrap_interval_is_fixed_and_holds_the_mean():
+    v = [1.0, 2.0, 3.0, 4.0, 10.0]
+    lo, hi = ST.bootstrap(v)
+    assert lo < np.mean(v) < hi and (lo, hi) == ST.bootstrap(v)
+    assert ST.bootstrap([2.0, 2.0, 2.0]) == (2.0, 2.0)
+    assert all(np.isnan(ST.bootstrap([1.0])))
+
+
+# ---------------------------------------------------------------------------------------------
+# lab/rows.py and lab/experiments.py: the rows, the train.py rows' runs and results
+
+def test_each_experiment_row_names_its_baseline_source_and_figure(tmp_path):
+    """Adding a lever is one row: its baseline, its source and its panels are declared on it,
+    and the table and the figures follow the rows (no list of names elsewhere)."""
+    for e in RW.EXPERIMENTS:
+        assert e.baseline is None or RW.BY_NAME[e.baseline].start == "train", e.name
+        assert set(e.panels) <= {*RW.PANELS, RW.LOGITS}, e.name
+        assert e.start == "train" or RW.BY_NAME[e.source].start == "train", e.name
+    rng = np.random.default_rng(0)
+
+    def run(level):
+        n = 120
+        return {"step": np.arange(n, dtype=float), "loss": level + 0.01 * rng.standard_normal(n),
+                "update_norm": np.ones(n), "attn_logit_max": np.ones((n, 2)),
+                "eval_step": np.array([n - 1.0]), "eval_loss": np.array([level])}
+    metrics = {"baseline": {s: run(2.0 + 0.01 * s) for s in (0, 1, 2)},
+               "guard": {s: run(1.5 + 0.01 * s) for s in (0, 1, 2)},
+               "marin-32b": {s: run(2.0 - 0.01 * s) for s in (0, 1, 2)}}
+    rows = {name: {"seeds": {s: R.summary(m) for s, m in runs.items()},
+                   **{k: ST.spread([R.summary(m)[k] for m in runs.values()]) for k in EX.STATS}}
+            for name, runs in metrics.items()}
+    text = EX.table(rows, [0, 1, 2])
+    assert "| guard | 1.510 ± 0.010 | better (-0.500) |" in text
+    assert "| marin-32b | 1.990 ± 0.010 | no measurable difference |" in text
+    paths = FG.figures(metrics, rows, tmp_path)
+    assert [p.name for p in paths] == ["qk_norm_and_rescue.png", "marin_32b_and_rescue.png",
+                                       "attn_logits_per_layer.png"]
+
+
+def test_the_mechanism_of_an_event_is_read_per_layer_against_the_level_before():
+    rng = np.random.default_rng(0)
+    n, L, event = 400, 3, 300
+    loss = 2.0 + 0.01 * rng.standard_normal(n)
+    loss[event:] += 0.5  # a level shift at 300
+    ones = np.ones((n, L))
+    upd, mu = ones.copy(), ones.copy()
+    upd[event - 3:, 1] = 2.0  # layer 1's update norm doubles 3 steps before the loss moves
+    mu[event:, 2] = 4.0  # layer 2's first moment x4 at the event
+    m = {"step": np.arange(n), "loss": loss, "update_norm_per_layer": upd,
+         "adam_mu_norm_per_layer": mu, "adam_nu_norm_per_layer": ones,
+         "attn_logit_max": ones}
+    (e,) = [x for x in TB.mechanism({7: m}) if x["kind"] == "shift"]
+    shift = R.find_shifts(m)[0].step  # 304: the smoothed loss is 0.1 up 4 steps after the jump
+    assert (e["seed"], e["step"], e["first_layer"]) == (7, shift, 1)
+    assert e["update"] == [1.0, 2.0, 1.0] and e["mu"] == [1.0, 1.0, 4.0] and e["nu"] == [1.0] * 3
+    assert f"| 7 | shift | {shift} |" in TB.mechanism_table([e])
+
+
+def test_a_rescue_catches_up_at_the_first_eval_within_005_of_qk_norm_at_that_step(
+        tmp_path, monkeypatch):
+    twin = {"seed": 1, "eval_step": [250, 500, 750], "eval_loss": [2.0, 1.8, 1.7]}
+    (tmp_path / "search.json").write_text(json.dumps(
+        {"groups": {"d64-b2.95-warmup1000-4k-qk": {"members": [twin]}}}))
+    monkeypatch.setattr(EX, "RESULTS", tmp_path)
+    m = {"eval_step": np.array([249, 499, 749]), "eval_loss": np.array([1.9, 1.9, 1.74])}
+    assert EX.caught_up(m, 1, 0) == 250  # train.py logs the eval after N steps at step N - 1
+    assert EX.caught_up(m, 1, 250) == 750  # 1.9 > 1.8 + 0.05 at 500
+    assert EX.caught_up(m, 2, 0) is None  # no twin of that seed
+
+
+def test_lr_sensitivity_recovery_and_the_spread_rule():
+    finals = {"1e-3": 2.5, "1e-2": 2.0, "3e-2": 2.2, "1e-1": 6.0, "3e-1": np.nan}
+    # 1e-1 ends above the initial loss and 3e-1 diverged: both count at the initial 5.5
+    assert TB.lr_sensitivity(finals, 5.5) == pytest.approx(np.mean([2.5, 2.0, 2.2, 5.5, 5.5])
+                                                           - 2.0)
+    spiky = {"step": np.arange(300.0), "loss": np.full(300, 2.0)}
+    rescue = {"step": np.arange(150.0, 300.0), "loss": np.r_[np.full(30, 2.5), np.full(120, 1.9)]}
+    # the 20-step mean first reaches 2.0 with 3 of its steps at 2.5: (3 x 2.5 + 17 x 1.9) / 20
+    assert EX.recovery_after_warm_start(rescue, spiky, start=150) == 46
+    assert EX.recovery_after_warm_start({**rescue, "loss": rescue["loss"] + 1}, spiky,
+                                       start=150) is None
+    # a difference is called only where it exceeds the sum of the seeds' standard deviations
+    base = {"eval_loss": ST.spread([2.0, 2.1, 2.2])}  # std 0.1
+    assert ST.compare({"eval_loss": ST.spread([1.95, 2.0, 2.05])}, base) == \
+        "no measurable difference"  # 0.1 apart, stds 0.1 + 0.05
+    assert ST.compare({"eval_loss": ST.spread([1.7, 1.75, 1.8])}, base) == "better (-0.350)"
+    assert ST.compare({"eval_loss": ST.spread([2.5, 2.6, 2.7])}, base) == "worse (+0.500)"
+
+
+def test_a_warm_start_begins_after_the_first_level_shift_or_else_the_first_spike_past_warmup(
+        tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    loss = 2.0 + 0.01 * rng.standard_normal(2000)
+    loss[600] = loss[1300] = 4.0  # one-step spikes: in the warmup (1,000 steps) and after it
+    monkeypatch.setattr(EX, "read_metrics", lambda src: {"step": np.arange(2000.0),
+                                                        "loss": loss})
+    rescue = RW.BY_NAME["rescue-marin-32b"]
+    assert EX.start_step(rescue, tmp_path) == 1500  # no shift: the spike at 1,300, every 250
+    loss[1700:] += 0.5  # a level shift comes first in the rule's order
+    assert EX.start_step(rescue, tmp_path) == 1750
+    loss[:] = 2.0 + 0.01 * rng.standard_normal(2000)
+    loss[600] = 4.0
+    assert EX.start_step(rescue, tmp_path) is None  # only a spike inside the warmup
+
+
+def test_a_replace_run_resumes_at_the_last_checkpoint_before_the_replaced_batches(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(EX, "saved_steps", lambda src: [250, 500, 750, 1000])
+    monkeypatch.setattr(EX, "largest_event", lambda src: 770)
+    replace = RW.BY_NAME["replace-batches"]
+    assert EX.rewound_to(replace, tmp_path) == 750  # batches 750:770 replaced
+    monkeypatch.setattr(EX, "largest_event", lambda src: 765)
+    assert EX.rewound_to(replace, tmp_path) == 500  # 745:765: the checkpoint at 750 is too late
+    monkeypatch.setattr(EX, "largest_event", lambda src: 10)
+    assert EX.rewound_to(replace, tmp_path) is None  # no checkpoint before: nothing to rewind
+    monkeypatch.setattr(EX, "start_step", lambda e, src: 1000)
+    assert EX.rewound_to(RW.BY_NAME["qk-clip-switched-on"], tmp_path) == 1000
+
+
+# ---------------------------------------------------------------------------------------------
+# lab/harness.py: the vmapped step, kept LRs, forks, guarded rows
+
+@pytest.mark.slow
+def test_a_search_member_is_the_train_py_run_of_its_lr_and_seed(tmp_path):
+    """The harness vmaps train.py's own step over seeds (one compiled step per LR): for 120 steps
+    each member's losses and held-out losses are those of the plain train.py run with that LR
+    and seed, to float32 rounding: vmapped matmuls add in another order. Measured on this model:
+    at LR 3e-3 the losses agree within 3e-7 relative for 300 steps; at 1e-2 and 2e-2 (a
+    chaotic regime for d_model 32) they part past 1e-4 at steps 35 and 33 and past 1e-2 at
+    steps 44 and 55: rounding, amplified, as between two CPU models."""
+    g = RW.Group("test", d_model=32, n_layers=2, steps=120, warmup_steps=20, lrs=(1e-3, 3e-3),
+                 seeds=(0, 1), batch_size=8, seq_len=32)
+    arrays = H.train_group(g, chunk=50, eval_every=60, log=lambda s: None)
+    assert arrays["loss"].shape == (4, 120) and arrays["attn_logit_max"].shape == (4, 120, 2)
+    for i, (lr, seed) in enumerate(H.member_grid(g)):
+        if i not in (1, 2):  # (1e-3, seed 1) and (3e-3, seed 0): both axes of the grid
+            continue
+        base = g.config(lr)
+        cfg = dataclasses.replace(base, run_dir=str(tmp_path / f"m{i}"), seed=seed,
+                                  eval_every=60, data=dataclasses.replace(base.data, seed=seed))
+        T.train(cfg, devices=jax.devices()[:1])
+        m = R.read_metrics(cfg.run_dir)
+        np.testing.assert_allclose(arrays["loss"][i], m["loss"], rtol=1e-5)
+        np.testing.assert_allclose(arrays["grad_norm"][i], m["grad_norm"], rtol=2e-3)
+        np.testing.assert_allclose(arrays["eval_loss"][i], m["eval_loss"], rtol=1e-5)
+        assert not np.array_equal(arrays["loss"][i], arrays["loss"][3 - i])  # members differ
+
+
+def test_a_group_killed_after_one_lr_goes_on_from_the_next(tmp_path, monkeypatch):
+    """A width of the proxy is hours of LRs: each LR's arrays are kept as it finishes, and the
+    next call reads them back and trains only the LRs left; another group's LRs are refused."""
+    g = RW.Group("kept", d_model=32, n_layers=2, steps=4, lrs=(1e-3, 3e-3), seeds=(0, 1))
+    trained = []
+
+    def fake(cfg, seeds, *args, **kw):
+        trained.append(cfg.optim.lr)
+        if len(trained) == 2:
+            raise KeyboardInterrupt  # killed during the second LR
+        return {"loss": np.full((2, 4), cfg.optim.lr), "eval_step": np.array([4]),
+                "first_step": np.int64(0), "seconds": 1.5}
+
+    monkeypatch.setattr(H, "train_members", fake)
+    with pytest.raises(KeyboardInterrupt):
+        H.train_group(g, log=lambda s: None, keep=tmp_path)
+    a = H.train_group(g, log=lambda s: None, keep=tmp_path)
+    assert trained == [1e-3, 3e-3, 3e-3]  # the first LR was not trained again
+    np.testing.assert_array_equal(a["loss"][:, 0], [1e-3, 1e-3, 3e-3, 3e-3])
+    assert a["seconds"] == 3.0
+    with pytest.raises(H.UserError, match="another kept"):
+        H.train_group(dataclasses.replace(g, steps=8), log=lambda s: None, keep=tmp_path)
+
+
+def test_an_lr_killed_between_evaluations_goes_on_from_the_last_one_bitwise(tmp_path):
+    """An LR of d_model 128 is ~46 minutes on one core: its state and metrics are kept at each
+    held-out evaluation, and a killed LR goes on from there; every array then equals the
+    uninterrupted run's bit for bit, and the progress file goes once the LR's arrays are kept."""
+    g = RW.Group("resumed", d_model=32, n_layers=1, steps=12, warmup_steps=4, lrs=(1e-2,),
+                 seeds=(0, 1), batch_size=8, seq_len=32)
+    quiet = dict(chunk=3, eval_every=6, log=lambda s: None)
+    whole = H.train_members(g.config(1e-2), g.seeds, **quiet)
+
+    def killed(line):  # dies as it reports its first evaluation (kept just before)
+        if "step 6/12" in line:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        H.train_group(g, keep=tmp_path, **{**quiet, "log": killed})
+    assert (tmp_path / "lr0.01.progress.npz").exists() and not (tmp_path / "lr0.01.npz").exists()
+    lines = []
+    again = H.train_group(g, keep=tmp_path, **{**quiet, "log": lines.append})
+    assert any("step 6: read back from" in x for x in lines)  # not trained from 0
+    for k in ("loss", "grad_norm", "attn_logit_max", "eval_loss", "eval_step"):
+        np.testing.assert_array_equal(again[k], whole[k], err_msg=k)
+    assert not (tmp_path / "lr0.01.progress.npz").exists() and (tmp_path / "lr0.01.npz").exists()
+
+
+def test_a_guarded_group_is_its_train_py_runs_and_a_second_run_reads_them(tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.setattr(H, "SNAPSHOTS", tmp_path)
+    g = RW.Group("guarded", d_model=32, n_layers=2, steps=12, warmup_steps=4, seeds=(0, 1),
+                 batch_size=8, seq_len=32, guard=(("escalate", "qk-norm"),))
+    assert g.config().guard.on and g.config().guard.escalate == "qk-norm"
+    a = H.train_guarded(g, log=lambda s: None)
+    assert a["loss"].shape == (2, 12) and a["attn_logit_max"].shape == (2, 12, 2)
+    for i, seed in enumerate(g.seeds):
+        m = R.read_metrics(tmp_path / "guarded" / f"seed{seed}")
+        np.testing.assert_array_equal(a["loss"][i], m["loss"])
+        assert C.read_config(tmp_path / "guarded" / f"seed{seed}")["seed"] == seed
+    assert list(a["eval_step"]) == [12] and a["recomputed"].tolist() == [0, 0]
+    assert not np.array_equal(a["loss"][0], a["loss"][1])
+    files = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("metrics.jsonl")}
+    again = H.train_guarded(g, log=lambda s: None)  # finished: read back, not trained again
+    np.testing.assert_array_equal(again["loss"], a["loss"])
+    assert files == {p: p.stat().st_mtime_ns for p in tmp_path.rglob("metrics.jsonl")}
+
+
+def test_a_fork_starts_at_the_boundary_after_the_first_event_and_needs_room(tmp_path,
+                                                                           monkeypatch):
+    """QK-Norm inserted mid-run starts at the first 250-step boundary after the source seed's
+    first level shift, or else after its first spike past the warmup; a seed whose boundary is
+    the run's end, or with no event, is left out."""
+    monkeypatch.setattr(H, "SEED_CURVES", tmp_path)
+    rng = np.random.default_rng(0)
+    (tmp_path / "story8").mkdir()
+    for seed, (spike, shift) in enumerate([(None, 1960), (1500, None), (None, 3890),
+                                           (None, None), (500, None)]):
+        loss = 2.0 + 0.01 * rng.standard_normal(4000)
+        if spike:
+            loss[spike] += 1.0
+        if shift:
+            loss[shift:] += 0.3
+        np.savez(tmp_path / "story8" / f"seed{seed}.npz", loss=loss, update_norm=np.ones(4000))
+    fork = dataclasses.replace(RW.EVIDENCE_GROUPS[3], seeds=(0, 1, 2, 3, 4))
+    assert H.fork_steps(fork) == {0: 2000, 1: 1750}  # 3,890: no room; none; 500: in warmup
+
+
+def test_a_qk_clip_fork_switches_it_on_at_the_fork_step_as_a_resume_does(tmp_path,
+                                                                         monkeypatch):
+    """A fork without QK-Norm carries the kept state as it is and acts with QK-Clip from the
+    fork step on: its steps are those of one run with `qk_clip_start` at that step, whose steps
+    before it are the source's (each to float32 rounding: the compiled programs differ)."""
+    monkeypatch.setattr(H, "SNAPSHOTS", tmp_path)
+    src = RW.Group("src", d_model=32, n_layers=1, steps=30, warmup_steps=5, lrs=(1e-2,),
+                   seeds=(0, 1), batch_size=8, seq_len=32, snapshot_every=15)
+    fork = dataclasses.replace(src, name="fork", fork="src", snapshot_every=0,
+                               optim=(("qk_clip", 0.5),))  # below every head's max: it acts
+    monkeypatch.setitem(RW.REGISTRY, "src", src)
+    monkeypatch.setattr(H, "fork_steps", lambda g: {0: 15, 1: 15})
+    quiet = dict(eval_every=15, log=lambda s: None)
+    a = H.train_members(src.config(), src.seeds, snapshot_at=(15,),
+                         snapshot=functools.partial(H.save_snapshot, "src"), **quiet)
+    seeds, f = H.train_fork(fork, log=lambda s: None)["parts"][15]
+    cfg = fork.config()
+    one = H.train_members(dataclasses.replace(cfg, optim=dataclasses.replace(
+        cfg.optim, qk_clip_start=15)), src.seeds, **quiet)
+    assert seeds == (0, 1) and int(f["first_step"]) == 15 and f["loss"].shape == (2, 15)
+    np.testing.assert_allclose(one["loss"][:, :15], a["loss"][:, :15], rtol=1e-6)
+    np.testing.assert_allclose(f["loss"], one["loss"][:, 15:], rtol=1e-5)
+    assert (f["qk_clip_heads"].sum(axis=1) > 0).all()  # it clipped heads after the fork
+    assert not np.allclose(f["loss"][:, 1:], a["loss"][:, 16:], rtol=1e-3)  # and it mattered
+
+
+# ---------------------------------------------------------------------------------------------
+# lab/search.py: the story search's verdicts
+
+def test_the_search_judges_s1_and_the_spikes_after_it_by_the_fixed_rules():
+
+    def row(group, seed, evals, spikes):
+        return {"group": group, "lr": 0.01, "seed": seed, "eval_step": [250, 500, 750, 1000],
+                "eval_loss": evals, "spike_steps": spikes, "shift_steps": [],
+                "max_attn_logit": 10.0}
+    rows = []
+    for seed in (0, 1, 2):
+        rows.append(row("g", seed, [2.0, 1.80, 1.75, 1.9], [100, 800, 900, 950]))
+        rows.append(row("g-qk", seed, [2.0, 1.78, 1.60, 1.5], [100]))
+    verdicts = SE.judge(rows)
+    # the last eval within 0.05 nats of the QK-Norm run: step 500; the spike at 100 is before
+    assert [(v["s1"], v["spikes_after_s1"], v["qk_spikes"]) for v in verdicts] == \
+        [(500, 3, 1)] * 3
+    assert SE.story_found(verdicts) == [("g", 0.01)]
+    rows[0]["spike_steps"] = [800, 900]  # seed 0: 2 spikes after S1, short of 3
+    assert SE.story_found(SE.judge(rows)) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# lab/tables.py and lab/figures.py: every table from the stored curves
+
+def test_the_levers_count_events_after_the_baselines_s1_of_each_seed():
+
+    def member(seed, evals, spikes, shifts=()):
+        return {"seed": seed, "eval_step": [250, 500, 750], "eval_loss": evals,
+                "spike_steps": spikes, "shift_steps": list(shifts), "max_attn_logit": 9.0}
+    lever = RW.LEVERS[1].name
+    record = {"groups": {
+        RW.STORY.name: {"members": [member(0, [2.0, 1.8, 1.9], [100, 600], [700]),
+                                    member(1, [2.0, 1.9, 2.0], [600, 700])]},
+        RW.STORY.name + "-qk": {"members": [member(0, [2.0, 1.78, 1.6], []),
+                                            member(1, [2.0, 1.7, 1.6], [600])]},
+        lever: {"members": [member(0, [2.0, 1.8, 1.7], [100, 550]),
+                            member(1, [2.0, 1.8, 1.7], [200])]}}}
+    rows = TB.lever_rows(record)
+    # S1: the baseline's last eval within 0.05 of QK-Norm's, per seed (500 and 250); every
+    # row counts its events from the baseline's S1 of that seed
+    assert [r["s1"] for r in rows] == [[500, 250]] * 3
+    assert [(r["spikes"], r["shifts"]) for r in rows] == [([1, 2], [1, 0]), ([0, 1], [0, 0]),
+                                                         ([1, 0], [0, 0])]
+    assert "| clip-0.2 | 1, 0 | 0, 0 | 1.700 ± 0.000 |" in TB.levers_markdown(record)
+
+
+def test_the_evidence_counts_episodes_by_the_fixed_rules_from_the_stored_curves(
+        tmp_path, monkeypatch):
+    """Planted curves for 3 seeds: after S1 (500) a hard batch at 520 (the QK-Norm twin jumps
+    there too), a spike of the baseline's own at 700, a level shift at 800 that is not back at
+    the end (censored), QK-Norm inserted at 750 into the baseline (spliced: its detectors see
+    the baseline's steps before 750)."""
+    monkeypatch.setattr(H, "SEED_CURVES", tmp_path)
+    rng = np.random.default_rng(0)
+
+    def write(group, seed, loss, first=0, evals=(2.0, 1.9, 1.9)):
+        (tmp_path / group).mkdir(exist_ok=True)
+        n = len(loss)
+        np.savez(tmp_path / group / f"seed{seed}.npz", loss=loss, update_norm=np.ones(n),
+                 grad_norm=np.ones(n), attn_logit_max=np.ones((n, 2)),
+                 eval_step=np.array([250, 500, 1000]), eval_loss=np.array(evals),
+                 first_step=np.int64(first))
+    for seed in (0, 1, 2):
+        twin = 2.0 + 0.02 * rng.standard_normal(1000)
+        base = twin + 0.01
+        twin[520] += 1.0
+        base[520] += 1.0
+        base[700] += 1.0
+        base[800:] += 0.3
+        write("story8", seed, base, evals=(2.0, 1.9, 2.2))
+        write("story8-qk", seed, twin)
+        write("story8-qk-inserted", seed, twin[750:].copy(), first=750)
+    record = {"groups": {g: {"members": [{"seed": s} for s in (0, 1, 2)]}
+                         for g in ("story8", "story8-qk", "story8-qk-inserted")}}
+    rows = {r["group"]: r for r in TB.evidence_rows(record)}
+    base = rows["story8"]
+    assert [(e.start, e.level_shift, e.hard_batch) for e in base["per_seed"][0]["episodes"]] \
+        == [(520, False, True), (700, False, False), (800, True, False)]
+    assert base["episodes"]["mean"] == pytest.approx(3 / 500 * 1000)  # 3 in the 500 after S1
+    assert base["instability_episodes"]["mean"] == pytest.approx(2 / 500 * 1000)
+    assert base["level_shift_episodes"]["mean"] == pytest.approx(1 / 500 * 1000)
+    assert base["unrecovered"]["mean"] == 1.0
+    assert base["survival"][0] == {"k": 100, "at_risk": 3, "not_back": 3, "share_not_back": 1.0}
+    assert base["survival"][2]["at_risk"] == 0  # censored: the runs ended 199 steps after
+    inserted = rows["story8-qk-inserted"]
+    assert [p["from"] for p in inserted["per_seed"]] == [750] * 3
+    assert inserted["episodes"]["mean"] == 0.0  # the twin's steps, spliced: no event
+    assert "| baseline | 3 | 100% [100%, 100%] | 2.00 [2.00, 2.00] | 4.00 [4.00, 4.00] | 6.00 " \
+        "[6.00, 6.00] (3) |" in TB.evidence_markdown(list(rows.values()))
+
+
+def test_the_lr_sweep_reads_final_losses_and_lr_sensitivity_per_seed(tmp_path, monkeypatch):
+    monkeypatch.setattr(H, "CURVES", tmp_path)
+    record = {"groups": {}}
+    finals = {(1e-1, False): [2.0, 2.2, 2.1], (1e-1, True): [1.7, 1.8, 1.75],
+              (3e-1, False): [9.0, np.nan, 2.6], (3e-1, True): [1.8, 1.9, 1.85]}
+    for g in RW.SWEEP:
+        key = (g.lrs[0], g.qk_norm)
+        if key not in finals:
+            continue
+        np.savez(tmp_path / f"{g.name}.npz", loss=np.full((3, 5), 5.5))
+        record["groups"][g.name] = {"members": [
+            {"seed": s, "eval_step": [4000], "eval_loss": [x], "finite": bool(np.isfinite(x)),
+             "spike_steps": [1200] * s, "shift_steps": [], "max_attn_logit": 10.0 ** (s + 1)}
+            for s, x in enumerate(finals[key])]}
+    rows = TB.sweep_rows(record)
+    assert [(r["lr"], r["qk_norm"]) for r in rows] == sorted(finals)
+    sens = TB.sensitivity(rows)
+    # seed 0 without QK-Norm: 9.0 ends above the initial 5.5, counted at 5.5; seed 1 diverged
+    assert sens[False] == pytest.approx([(2.0 + 5.5) / 2 - 2.0, (2.2 + 5.5) / 2 - 2.2,
+                                         (2.1 + 2.6) / 2 - 2.1])
+    assert sens[True] == pytest.approx([0.05, 0.05, 0.05])
+    text = TB.sweep_markdown(record)
+    assert "| 0.3 | no | non-finite in 1 of 3 seeds | 0, 1, 2 | 0, 0, 0 | 10–1,000 |" in text
+    assert "| 0.1 | yes | 1.750 ± 0.050 |" in text
+    # 6: the grid's LRs in Wortsman's range (1 is outside it)
+    assert "(2 of its 6; 0.001, 0.003, 0.01, 0.03 not run in both arms)" in text
+
+
+def test_the_widths_table_finds_the_best_and_the_break_lr_per_width(tmp_path, monkeypatch):
+    """Planted width-32 members: the held-out loss is lowest at 1e-2 (inside the grid), the
+    level shifts come in 2 of 3 seeds from 1e-1 on (1 of 3 at 3e-2), so the break LR is 0.1, one
+    decade above the best; with QK-Norm nothing breaks and the best is the grid's edge. Width 64
+    breaks in every seed from 3e-2: its break falls and comes closer to the best."""
+    monkeypatch.setattr(H, "SEED_CURVES", tmp_path)
+    grid = (1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
+    loss = {1e-3: 2.3, 1e-2: 1.9, 3e-2: 2.0, 1e-1: 2.4, 3e-1: None, 1.0: None}
+
+    def member(lr, seed, qk, wide=False):
+        broke = not qk and (lr >= 1e-1 and seed < 2 or lr == 3e-2 and seed == 0
+                            or wide and lr >= 3e-2)
+        final = 1.5 + lr if qk else loss[lr]
+        return {"lr": lr, "seed": seed, "finite": final is not None,
+                "eval_loss": [5.0, final if final is not None else float("nan")],
+                "shift_steps": [2000] if broke else [], "max_attn_logit": 10.0}
+    record = {"groups": {}}
+    loss[1e-4] = 4.0  # width 64 also runs 1e-4: in its best LR, not in its sensitivity
+    for name, qk in (("width32", False), ("width32-qk", True), ("width64", False)):
+        record["groups"][name] = {"members": [
+            member(lr, s, qk, name == "width64")
+            for lr in (1e-4, *grid) if lr > 1e-4 or name == "width64" for s in range(3)]}
+        (tmp_path / name).mkdir()
+        for s in range(3):  # the first step's loss: the same at every LR
+            for lr in ("0.0001", "0.001"):
+                np.savez(tmp_path / name / f"lr{lr}-seed{s}.npz", loss=np.array([5.5, 5.0]))
+    rows = {r["qk_norm"]: r for r in TB.width_rows(record) if r["width"] == 32}
+    wide = next(r for r in TB.width_rows(record) if r["width"] == 64)
+    assert wide["lrs"][0] == 1e-4 and wide["sensitivity"] == rows[False]["sensitivity"]
+    assert rows[False]["best_lr"] == 1e-2 and rows[False]["bracketed"]
+    assert rows[False]["break_lr_seeds"] == [3e-2, 1e-1, 3e-1]  # 3e-1: non-finite
+    assert rows[True]["best_lr_seeds"] == [1e-3] * 3
+    assert rows[False]["break_lr"] == 1e-1 and rows[False]["decades"] == pytest.approx(1.0)
+    assert rows[True]["break_lr"] is None and not rows[True]["bracketed"]
+    # Wortsman's sensitivity, seed 0 without QK-Norm: min(final, 5.5) over his range, 3e-4 to
+    # 3e-1 (the diverged 3e-1 at 5.5; LR 1 is outside), mean minus the best
+    assert rows[False]["sensitivity"][0] == pytest.approx(np.mean([2.3, 1.9, 2.0, 2.4, 5.5]) - 1.9)
+    assert rows[False]["initial"] == 5.5  # where widths.png's loss axis ends
+    text = TB.widths_markdown(record)
+    assert "| 32 | no | 0.01 (0.01, 0.01, 0.01) | yes | 0.1 (0.03, 0.1, 0.3) | 1.0 |" in text
+    assert ("| 32 | yes | 0.001 (0.001, 0.001, 0.001) | no: at the edge of the grid | none in "
+            "the grid (none, none, none) | — |") in text
+    assert ("- without QK-Norm: the break LR by width 32: 0.1, 64: 0.03 (falls at every step); "
+            "best to break in decades 1.0, 0.5 (shrinks at every step).") in text
+    assert "- QK-Norm moves the break LR up at 1 of 1 widths (32)." in text
+    assert FG.plot_widths(record, tmp_path).name == "widths.png"  # the figure draws them
+    monkeypatch.setattr(TB, "RESULTS", tmp_path)  # results.json: the sweep beside the rows
+    (tmp_path / "results.json").write_text('{"rows": {"baseline": 1}}')
+    TB.write_results_json({"widths": TB.width_rows(record)})
+    stored = json.loads((tmp_path / "results.json").read_text())
+    assert stored["rows"] == {"baseline": 1} and stored["widths"][0]["break_lr"] == 1e-1
+    assert stored["widths"][0]["final"]["1.0"] == [None] * 3  # diverged: null, not NaN
+
+
+def test_the_zloss_table_reads_the_output_logits_from_the_stored_curves(tmp_path, monkeypatch):
+    """Planted z-loss members at d_model 32: z-loss off, LR 1, seed 2 goes non-finite at step
+    150 of 200 (its log Z is the mean of the last 100 finite steps, 50-149; its max |output
+    logit| the largest before the NaNs); the table and results.json take them as planted: log Z
+    over the seeds (-149.5 - 150.5 - 101.5) / 3."""
+    monkeypatch.setattr(H, "SEED_CURVES", tmp_path)
+    record = {"groups": {}}
+    for z, qk in ((0.0, False), (0.0, True), (1e-4, False)):
+        name = f"zloss{z:g}-width32{'-qk' if qk else ''}"
+        (tmp_path / name).mkdir()
+        members = []
+        for lr in (0.1, 1.0):
+            for s in range(3):
+                diverged = (z, qk, lr, s) == (0.0, False, 1.0, 2)
+                log_z = -np.arange(200.0) * lr * (1 if z == 0 else 0.01) - s
+                out = np.full(200, 10.0 * (s + 1) * lr)
+                out[7] = 1000.0 * lr if z == 0 else out[7]
+                if diverged:
+                    log_z[150:], out[150:] = np.nan, np.nan
+                np.savez(tmp_path / name / f"lr{lr:g}-seed{s}.npz", log_z=log_z,
+                         out_logit_max=out)
+                final = 2.0 + lr + s / 10 - 0.3 * ((z, lr, s) == (0, 0.1, 0))
+                members.append({"lr": lr, "seed": s, "finite": not diverged,
+                                "eval_loss": [5.0, final], "max_attn_logit": 50.0 + s,
+                                "shift_steps": [120] if lr == 1.0 and not qk else []})
+        record["groups"][name] = {"members": members, "machine": {"cpu": "planted"}}
+    rows = {(r["z_loss"], r["qk_norm"], r["lr"]): r for r in TB.zloss_rows(record)}
+    assert len(rows) == 6
+    off = rows[0.0, False, 1.0]
+    assert off["broke"] == 3 and np.isnan(off["final"][2]) and off["final"][0] == 3.0
+    assert off["out_logit_max"] == [1000.0] * 3
+    assert off["log_z_end"][2] == pytest.approx(-np.mean(np.arange(50, 150)) - 2)
+    assert off["log_z_end"][0] == pytest.approx(-np.mean(np.arange(100, 200)))
+    on = rows[1e-4, False, 0.1]
+    assert on["out_logit_max"] == pytest.approx([1.0, 2.0, 3.0]) and on["broke"] == 0
+    text = TB.zloss_markdown(record)
+    assert "| 0 | no | 1 | 1 of 3 non-finite | 3 of 3 | 1e+03 | -133.83 | 52 |" in text
+    assert "| 0.0001 | no | 0.1 | 2.200 (2.100, 2.300) | 0 of 3 | 3 | -1.15 | 52 |" in text
+    assert ("- without QK-Norm: held-out, z-loss off minus on (5 seed-and-LR pairs): mean -0.060 "
+            "[-0.180, +0.000], 1 of 5 lower without it; off: max |output logit| 1e+03") in text
+    assert "with QK-Norm: held-out" not in text  # no z-loss-on group with QK-Norm planted
+    assert FG.plot_zloss(record, tmp_path).name == "zloss.png"
+    monkeypatch.setattr(TB, "RESULTS", tmp_path)
+    TB.write_results_json({"widths_zloss": TB.zloss_rows(record)})
+    stored = json.loads((tmp_path / "results.json").read_text())["widths_zloss"]
+    assert len(stored) == 6 and stored[1]["final"][2] is None  # the non-finite seed: null
+
+
+# ---------------------------------------------------------------------------------------------
+# lab/foresight.py: early warning
+
+def test_foresight_measures_a_planted_warning_and_its_absence():
+    """lab/foresight.py on planted series: the AUROC equals the pairwise count; a signal that rises
+    100 steps before each planted episode is caught with a lead of 100 and its alarms are all
+    followed by an episode; noise of the same scale is near 0.5; the threshold keeps to its
+    false-alarm budget on the twin."""
+    rng = np.random.default_rng(0)
+    s, y = rng.standard_normal(300), rng.random(300) < 0.2
+    pairs = np.mean([(a > b) + 0.5 * (a == b) for a in s[y] for b in s[~y]])
+    assert F.auroc(s, y) == pytest.approx(pairs)
+    n, onsets = 4000, [1800, 3100]
+    warning = rng.standard_normal(n) * 0.1
+    for e in onsets:
+        warning[e - 100:e] += 3.0
+    assert F.leads(warning, 1.0, onsets) == [100, 100]
+    assert F.precision(warning, 1.0, onsets) == (2, 2)
+    assert F.alarms(warning, 1.0) == [1700, 3000]  # one alarm per run of steps above
+    labels = F.labels_within(onsets, n, 200)
+    assert F.auroc(warning[F.WARMUP:], labels[F.WARMUP:]) > 0.7
+    assert abs(F.auroc(rng.standard_normal(n)[F.WARMUP:], labels[F.WARMUP:]) - 0.5) < 0.06
+    twins = [rng.standard_normal(n) for _ in range(3)]
+    thr = F.threshold_for(twins, budget=0.5)
+    assert np.mean([F.alarm_rate(t, thr) for t in twins]) <= 0.5
+    assert np.mean([F.alarm_rate(t, thr - 0.3) for t in twins]) > 0.5  # not far above it
+    # the signals computed online in the step, where a curve keeps them: the largest layer's
+    ones = np.ones((300, 2))
+    entropy = ones.copy()
+    entropy[200:, 1] = 0.5  # layer 1's q weights lose half their spectral entropy at 200
+    c = {"loss": np.zeros(300), "attn_logit_max": ones, "update_norm_per_layer": ones,
+         "adam_mu_norm_per_layer": ones, "adam_nu_norm_per_layer": ones, "wq_norm": ones,
+         "wk_norm": ones, "update_ratio_per_layer": ones * [1e-3, 2e-3],
+         "adam_ratio_rms_per_layer": ones * [0.1, 0.3], "wq_entropy": entropy, "wk_entropy": ones}
+    sig = F.signals(c)
+    assert sig["update/param"][5] == 2e-3 and sig["m/sqrt(v) rms"][5] == 0.3
+    assert list(sig["qk-entropy-drop"][[50, 150, 250, 299]]) == [-np.inf, 0.0, 0.5, 0.5]
+    del c["wq_entropy"]
+    assert "qk-entropy-drop" not in F.signals(c)
