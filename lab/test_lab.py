@@ -6,6 +6,7 @@ testpaths); alone: `pytest lab/`.
 import dataclasses
 import functools
 import json
+import pathlib
 
 import jax
 import numpy as np
@@ -570,6 +571,24 @@ def test_the_zloss_table_reads_the_output_logits_from_the_stored_curves(tmp_path
     TB.write_results_json({"widths_zloss": TB.zloss_rows(record)})
     stored = json.loads((tmp_path / "results.json").read_text())["widths_zloss"]
     assert len(stored) == 6 and stored[1]["final"][2] is None  # the non-finite seed: null
+
+
+def test_the_stored_tables_are_recomputed_from_the_stored_curves_digit_for_digit():
+    """results/README.md's harness tables, recomputed from results/search.json and the curves as
+    stored (each kept to what curve_arrays keeps), equal the text printed there; results/ stays
+    under 60 MB. (The evidence table takes a minute: python -m lab.experiments --evidence.)"""
+    root = pathlib.Path(__file__).parent.parent
+    readme = (root / "results" / "README.md").read_text()
+    record = H.load()
+    for part, table in (("levers", TB.levers_markdown), ("lr-sweep", TB.sweep_markdown),
+                        ("widths", TB.widths_markdown), ("zloss", TB.zloss_markdown)):
+        start = f"<!-- {part}: written by lab/experiments.py -->\n"
+        stored = readme[readme.index(start) + len(start):readme.index(f"<!-- /{part} -->")]
+        assert table(record).strip() == stored.strip(), part
+    for path in sorted((root / "results" / "curves").glob("*/*.npz"))[::40]:
+        c = H.read_curve(path.parent.name, path.stem)
+        assert H.curve_arrays(path.parent.name, c).keys() == c.keys(), path  # kept as it says
+    assert sum(f.stat().st_size for f in (root / "results").rglob("*") if f.is_file()) < 60e6
 
 
 # ---------------------------------------------------------------------------------------------
