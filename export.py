@@ -86,6 +86,9 @@ def export(args: ExportArgs) -> pathlib.Path:
     if cfg.model.attn_softcap:
         raise UserError(f"{run} soft-caps its attention scores (model.attn_softcap "
                         f"{cfg.model.attn_softcap:g}), which Llama and Qwen3 do not: no export")
+    if cfg.model.embed_scale:
+        raise UserError(f"{run} scales its embeddings by sqrt(d_model) (model.embed_scale), "
+                        "which Llama and Qwen3 do not: no export")
     check_new_folder(out, "--to")
     if args.check:
         check_extras()

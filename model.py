@@ -47,6 +47,9 @@ class ModelConfig:
     attention: A.Form = "auto"
     attention_block: int = 256  # blockwise: positions per query / key block
     attn_softcap: float = 0.0  # scores -> c * tanh(s / c) before the softmax (Gemma 2: 50); 0: off
+    # Scaled Embed (Takase et al. 2312.16903, "Spike No More"): the token embeddings times
+    # sqrt(d_model), so that the residual stream starts near std 1 instead of init_std.
+    embed_scale: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
@@ -336,12 +339,18 @@ def mlp(x_BTD, p):
     return matmul_2d(jax.nn.silu(gate_BTF) * up_BTF, p["w_down"], ("act_embed",))
 
 
+def scaled_embedding(x_BTD, cfg: ModelConfig):
+    """The looked-up embeddings, times sqrt(d_model) with embed_scale (Scaled Embed)."""
+    return x_BTD * math.sqrt(cfg.d_model) if cfg.embed_scale else x_BTD
+
+
 def forward(params: dict, tokens_BT, cfg: ModelConfig, head_stats: bool = False):
     """Logits [B, T, V] (float32) and per-layer statistics {"attn_logit_max": [L]} (with
     `head_stats` also "attn_logit_max_per_head": [L, N])."""
     dtype = jnp.dtype(cfg.dtype)
     top = _gather(params, cfg, dtype)
-    x_BTD = top["embed"].at[tokens_BT].get(out_sharding=shard("batch", "seq", "act_embed"))
+    x_BTD = scaled_embedding(
+        top["embed"].at[tokens_BT].get(out_sharding=shard("batch", "seq", "act_embed")), cfg)
 
     def block(x_BTD, layer_params):
         p = _gather(layer_params, cfg, dtype)
@@ -376,7 +385,7 @@ def forward_cached(params: dict, tokens_BT, cache: dict, cfg: ModelConfig):
     `forward`'s (qkv, mlp); its attention is the reference form over the cache's keys."""
     dtype, pos = jnp.dtype(cfg.dtype), cache["pos"]
     top = _gather(params, cfg, dtype)
-    x_BTD = top["embed"][tokens_BT]
+    x_BTD = scaled_embedding(top["embed"][tokens_BT], cfg)
 
     def block(x_BTD, layer):
         layer_params, k_cache_BSKH, v_cache_BSKH = layer

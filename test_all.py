@@ -160,6 +160,26 @@ def test_decoding_with_a_kv_cache_gives_the_logits_of_forward(tiny_tokens):
     assert step._cache_size() == 2  # prefill and one decode step: no compile per token
 
 
+def test_scaled_embed_is_the_embedding_table_times_sqrt_d_in_training_and_decoding(tiny_tokens):
+    """Scaled Embed (Takase et al. 2312.16903): the model with embed_scale gives the logits of
+    the same model without it whose embedding table is sqrt(d_model) times larger, and its
+    cached decode gives forward's logits."""
+    cfg = dataclasses.replace(TINY.model, embed_scale=True)
+    params = M.init_params(cfg, jax.random.key(1))
+    larger = dict(params, embed=params["embed"] * np.sqrt(cfg.d_model))
+    tokens = tiny_tokens[:2, :12]
+    off = dataclasses.replace(cfg, embed_scale=False)
+    with jax.set_mesh(mesh_of(1, 1)):
+        scaled = np.asarray(M.forward(params, tokens, cfg)[0])
+        plain = np.asarray(M.forward(larger, tokens, off)[0])
+        unscaled = np.asarray(M.forward(params, tokens, off)[0])
+    np.testing.assert_allclose(scaled, plain, atol=1e-5)
+    assert np.abs(scaled - unscaled).max() > 1e-3  # the scale is applied
+    one = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), params)
+    cached, _ = M.forward_cached(one, tokens, M.init_cache(cfg, 2, 12), cfg)
+    np.testing.assert_allclose(np.asarray(cached), scaled, atol=1e-5)
+
+
 def test_the_marin_32b_preset_has_32b_parameters():
     cfg = CF.PRESETS["marin-32b"].model
     assert 31e9 < M.count_params(cfg) < 34e9  # "32B"

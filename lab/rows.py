@@ -273,8 +273,34 @@ KNOBS = {"b2.999": {"b2": 0.999}, "eps1e-15": {"eps": 1e-15}, "wd0": {"weight_de
 KNOB_ROWS = [g for tag, knob in KNOBS.items() for base in [dataclasses.replace(
     WIDTH_ROWS[0], name=f"width32-{tag}", lrs=KNOB_LRS, compare_with=f"width32-{tag}-qk",
     **knob)] for g in (base, twin(base))]
+# How far each lever moves the break, d_model 32: each lever's break LR (the widths rows' rule)
+# as a ratio to the baseline's (width32: 0.3), each seed's against the same seed's. The grids
+# bracket each lever's break where the literature puts it: QK-Norm's sat at width32-qk's top (1),
+# so its arm goes on to 3 and 10; QK-Norm + the soft-cap (Rybakov et al. 2410.16682: 1.5x QK-Norm
+# alone) from 0.3; the soft-cap alone (Gemma 2's 50), QK-Clip (100, as the evidence rows) and
+# Scaled Embed (Takase et al. 2312.16903) around the baseline's break. A lever's break below
+# its grid reads "<= its lowest LR", above it "> its highest". LEVER_BREAKS pools each lever's
+# groups over LRs.
+WIDTH32 = WIDTH_ROWS[0]
+BREAK_ROWS = [
+    dataclasses.replace(WIDTH32, name="width32-qk-high", qk_norm=True, lrs=(3.0, 10.0),
+                        compare_with="width32-qk"),
+    dataclasses.replace(WIDTH32, name="width32-qk-softcap50", qk_norm=True,
+                        model=(("attn_softcap", 50.0),), lrs=(0.3, 1.0, 3.0, 10.0),
+                        compare_with="width32-qk"),
+    dataclasses.replace(WIDTH32, name="width32-softcap50", model=(("attn_softcap", 50.0),),
+                        lrs=(0.03, 0.1, 0.3, 1.0), compare_with="width32-qk"),
+    dataclasses.replace(WIDTH32, name="width32-qk-clip100", optim=(("qk_clip", 100.0),),
+                        lrs=(0.03, 0.1, 0.3, 1.0, 3.0), compare_with="width32-qk"),
+    dataclasses.replace(WIDTH32, name="width32-embed-scale", model=(("embed_scale", True),),
+                        lrs=(0.03, 0.1, 0.3, 1.0), compare_with="width32-qk"),
+]
+LEVER_BREAKS = {"baseline": ("width32",), "QK-Norm": ("width32-qk", "width32-qk-high"),
+                "QK-Norm + soft-cap 50": ("width32-qk-softcap50",),
+                "soft-cap 50": ("width32-softcap50",), "QK-Clip 100": ("width32-qk-clip100",),
+                "Scaled Embed": ("width32-embed-scale",)}
 HARNESS_ROWS = {g.name: g for g in (*LEVERS, *SWEEP, *EVIDENCE_GROUPS, *WIDTH_ROWS, *ZLOSS_ROWS,
-                                    *KNOB_ROWS)}
+                                    *KNOB_ROWS, *BREAK_ROWS)}
 
 
 
