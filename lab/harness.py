@@ -312,8 +312,7 @@ def save_group(name: str, entry: dict) -> None:
     """Add one group's record to results/search.json, under a lock: several harness processes
     (one per core) may finish groups at the same time."""
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    SNAPSHOTS.mkdir(parents=True, exist_ok=True)
-    with open(SNAPSHOTS / "search.json.lock", "w") as lock:  # under runs/: not a result
+    with open(OUT.with_suffix(".lock"), "w") as lock:  # not a result: .gitignore has it
         fcntl.flock(lock, fcntl.LOCK_EX)
         record = load()
         record["groups"][name] = entry
