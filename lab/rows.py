@@ -36,6 +36,7 @@ class Group:
     optim: tuple[tuple[str, object], ...] = ()  # a lever: OptimConfig fields, (name, value)
     model: tuple[tuple[str, object], ...] = ()  # ...or ModelConfig fields
     compare_with: str = ""  # the QK-Norm group S1 is taken against (default: NAME-qk)
+    label: str = ""  # its row in the README's evidence table ("": not there)
     # A mid-run arm from this group's kept states (see fork_steps): QK-Norm inserted where the
     # arm has it, else its settings (QK-Clip) switched on as a resume does.
     fork: str = ""
@@ -67,7 +68,8 @@ class Group:
     def settings(self) -> dict:
         d = dataclasses.asdict(self) | {"optim": dict(self.optim), "model": dict(self.model),
                                         "guard": dict(self.guard)}
-        return {k: v for k, v in d.items() if k not in ("name", "lrs", "seeds", "compare_with")
+        return {k: v for k, v in d.items()
+                if k not in ("name", "lrs", "seeds", "compare_with", "label")
                 and (k not in ("optim", "model", "fork", "snapshot_every", "guard", "spectral")
                      or v)}
 
@@ -193,54 +195,68 @@ SWEEP = [g for lr in SWEEP_LRS for base in [dataclasses.replace(STORY, name=f"st
 # (keeping its state every 250 steps, where a warm start can begin), its QK-Norm twin, the 32B's
 # three levers, and QK-Norm inserted mid-run (fork_steps) with a 100-step re-warmup from 0.1x.
 EVIDENCE_SEEDS = tuple(range(8))
-EVIDENCE = dataclasses.replace(STORY, name="story8", seeds=EVIDENCE_SEEDS, snapshot_every=250)
+EVIDENCE = dataclasses.replace(STORY, name="story8", seeds=EVIDENCE_SEEDS, snapshot_every=250,
+                               label="baseline")
 EVIDENCE_GROUPS = [
-    EVIDENCE, twin(EVIDENCE, snapshot_every=0),
+    EVIDENCE, twin(EVIDENCE, snapshot_every=0, label="QK-Norm from scratch"),
     dataclasses.replace(LEVERS[0], name="story8-marin-32b", seeds=EVIDENCE_SEEDS,
-                        compare_with="story8-qk"),
+                        compare_with="story8-qk", label="the 32B's levers together"),
     dataclasses.replace(EVIDENCE, name="story8-qk-inserted", qk_norm=True, fork="story8",
                         snapshot_every=0, compare_with="story8-qk",
-                        optim=(("rewarmup_steps", 100), ("rewarmup_from_ratio", 0.1))),
+                        optim=(("rewarmup_steps", 100), ("rewarmup_from_ratio", 0.1)),
+                        label="QK-Norm inserted mid-run"),
 ]
 # The guard with escalation to QK-Norm (train.py's loop, one seed after the other); with the
 # data check on (the story has no data shift: every "data" record is a shift let through); and
 # acting before the break, when the max logit passes 100 at a checkpoint step (predict).
 EVIDENCE_GROUPS += [dataclasses.replace(EVIDENCE, name=f"story8-guard-{tag}",
                                         snapshot_every=0, compare_with="story8-qk",
-                                        guard=(("escalate", "qk-norm"), *more))
-                    for tag, more in (("escalate", ()),
-                                      ("escalate-data", (("data_fraction", 0.5),)),
-                                      ("predict", (("predict", "max-logit"),)),
-                                      # (its one-step spikes left alone: no rollback at all?)
-                                      ("predict-only", (("predict", "max-logit"),
-                                                        ("spikes", False))))]
+                                        guard=(("escalate", "qk-norm"), *more), label=label)
+                    for tag, more, label in (
+                        ("escalate", (), "the guard, escalating to QK-Norm (train.py)"),
+                        ("escalate-data", (("data_fraction", 0.5),),
+                         "the same, with its data check"),
+                        ("predict", (("predict", "max-logit"),),
+                         "the guard, predicting: max logit > 100 at a checkpoint"),
+                        # (its one-step spikes left alone: no rollback at all?)
+                        ("predict-only", (("predict", "max-logit"), ("spikes", False)),
+                         "the same, its spike rule off"))]
 # The references' tools over the same seeds (run after the four above): QK-Clip's signed max
 # and no-growth rule, Muon with the references' split, MuonClip (Muon + QK-Clip, as K2).
 EVIDENCE_GROUPS += [
     dataclasses.replace(lever(name, **optim), name=f"story8-{name}", seeds=EVIDENCE_SEEDS,
-                        compare_with="story8-qk")
-    for name, optim in (("qk-clip-100", {"qk_clip": 100.0}), ("muon", {"optimizer": "muon"}),
-                        ("muonclip-100", {"optimizer": "muon", "qk_clip": 100.0}))]
+                        compare_with="story8-qk", label=label)
+    for name, optim, label in (
+        ("qk-clip-100", {"qk_clip": 100.0}, "QK-Clip 100 from scratch"),
+        ("muon", {"optimizer": "muon"}, "Muon (LM head on AdamW) from scratch"),
+        ("muonclip-100", {"optimizer": "muon", "qk_clip": 100.0},
+         "MuonClip (Muon + QK-Clip 100)"))]
 # The baseline again with the final code (story8 predates a refactor of attention.py that moved
 # its float rounding: its steps part from step 1-21 on): a rerun of the row as a whole, and
 # the source of QK-Clip 100 switched on mid-run at the same rule's step (no re-warmup: a
 # resume's switch).
 EVIDENCE_GROUPS += [
-    dataclasses.replace(EVIDENCE, name="story8-rerun"),
+    dataclasses.replace(EVIDENCE, name="story8-rerun", label="the baseline again, final code"),
     dataclasses.replace(EVIDENCE, name="story8-qk-clip-switched", fork="story8-rerun",
-                        snapshot_every=0, compare_with="story8-qk", optim=(("qk_clip", 100.0),))]
+                        snapshot_every=0, compare_with="story8-qk", optim=(("qk_clip", 100.0),),
+                        label="QK-Clip 100 switched on mid-run (from the rerun above)")]
 # The baseline and its twin once more, with every early-warning signal computed online in the
 # step (python -m lab.foresight --group story8-signals): the update/weight ratio and
 # m / sqrt(v) per layer, the q/k spectral entropy.
 EVIDENCE_GROUPS += [g for base in [dataclasses.replace(EVIDENCE, name="story8-signals",
-                                                       snapshot_every=0, spectral=True)]
+                                                       snapshot_every=0, spectral=True, label="")]
                     for g in (base, twin(base))]
 # The other levers alone, over the same seeds (queued after those).
-EVIDENCE_GROUPS += [dataclasses.replace(g, name=g.name.replace("story-", "story8-"),
-                                        seeds=EVIDENCE_SEEDS, compare_with="story8-qk")
-                    for g in LEVERS if g.name in ("story-clip-0.2", "story-skip-step",
-                                                  "story-update-clip-norm", "story-softcap-50",
-                                                  "story-zclip", "story-update-clip-rms")]
+EVIDENCE_GROUPS += [
+    dataclasses.replace(lever(name, model, **optim), name=f"story8-{name}", seeds=EVIDENCE_SEEDS,
+                        compare_with="story8-qk", label=label)
+    for name, model, optim, label in (
+        ("clip-0.2", None, {"max_grad_norm": 0.2}, "gradient clipping 0.2 alone"),
+        ("skip-step", None, {"skip_step": True}, "skip-step (OLMo 2) alone"),
+        ("update-clip-norm", None, {"update_clip": "norm"}, "update-norm clipping alone"),
+        ("softcap-50", {"attn_softcap": 50.0}, {}, "soft-cap 50 (Gemma 2)"),
+        ("zclip", None, {"grad_clip": "zclip"}, "ZClip alone"),
+        ("update-clip-rms", None, {"update_clip": "rms"}, "update-RMS clipping alone"))]
 # Wortsman et al.'s small-scale proxy across widths (2309.14322, Fig. 1): does the break come
 # closer to the best LR as the model grows? d_model 32, 64, 128 at the story's depth, head_dim
 # 16 (the heads scale with the width, two query heads per KV head), the same data, tokens and

@@ -486,29 +486,9 @@ def evidence_rows(record: dict, base: str = "story8", twin: str = "story8-qk") -
 
 
 # The README's summary of the evidence, in this order, under these names.
-README_ROWS = (
-    ("story8", "baseline"), ("story8-qk", "QK-Norm from scratch"),
-    ("story8-marin-32b", "the 32B's levers together"),
-    ("story8-qk-inserted", "QK-Norm inserted mid-run"),
-    ("story8-qk-clip-100", "QK-Clip 100 from scratch"),
-    ("story8-muon", "Muon (LM head on AdamW) from scratch"),
-    ("story8-muonclip-100", "MuonClip (Muon + QK-Clip 100)"),
-    ("story8-clip-0.2", "gradient clipping 0.2 alone"),
-    ("story8-skip-step", "skip-step (OLMo 2) alone"),
-    ("story8-update-clip-norm", "update-norm clipping alone"),
-    ("story8-update-clip-rms", "update-RMS clipping alone"),
-    ("story8-zclip", "ZClip alone"),
-    ("story8-softcap-50", "soft-cap 50 (Gemma 2)"),
-    ("story8-guard-escalate", "the guard, escalating to QK-Norm (train.py)"),
-    ("story8-guard-escalate-data", "the same, with its data check"),
-    ("story8-guard-predict", "the guard, predicting: max logit > 100 at a checkpoint"),
-    ("story8-guard-predict-only", "the same, its spike rule off"),
-    ("story8-qk-clip-switched", "QK-Clip 100 switched on mid-run (from the rerun below)"),
-    ("story8-rerun", "the baseline again, final code"))
-
-
 def readme_summary(rows: list[dict]) -> str:
-    """The README's evidence table: README_ROWS that have run, four figures each."""
+    """The README's evidence table: the evidence rows with a label that have run, in their
+    order, four figures each."""
     by = {r["group"]: r for r in rows}
 
     def cell(r, key, fmt):
@@ -516,9 +496,10 @@ def readme_summary(rows: list[dict]) -> str:
         return f"{fmt.format(r[key]['mean'])} [{fmt.format(lo)}, {fmt.format(hi)}]"
     lines = ["| row (8 seeds; 95% bootstrap intervals) | seeds with a level shift | level-shift "
              "episodes / 1k steps | held-out (nats/byte) | max attn logit |", "|---" * 5 + "|"]
-    for group, label in README_ROWS:
-        if (r := by.get(group)) is None:
+    for g in EVIDENCE_GROUPS:
+        if not g.label or (r := by.get(g.name)) is None:
             continue
+        label = g.label
         n, shifted = len(r["seeds"]), round(sum(r["with_shift"]["values"]))
         rate = cell(r, "level_shift_episodes", "{:.2f}") if shifted else "0"
         lines.append(f"| {label}{f' ({n} seeds)' if n != 8 else ''} | {shifted} of {n} | {rate} "
