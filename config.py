@@ -24,8 +24,8 @@ from compat import RENAMED
 from data import DataConfig, parse_ranges
 from distributed import DistConfig, MeshConfig, say
 from guard import GuardConfig
-from model import ModelConfig
-from optim import OptimConfig, lr_schedule
+from model import ModelConfig, optimizer_layout
+from optim import OptimConfig, lr_schedule, make_optimizer
 from report import acted, read_events
 from tracking import WandbConfig
 
@@ -196,6 +196,11 @@ def load_config(run_dir: pathlib.Path) -> TrainConfig | None:
         return None if stored is None else config_from_dict(stored)
     except (ValueError, TypeError, AttributeError) as e:
         raise UserError(f"{run_dir}/config.json is not a spikefix config ({e})") from None
+
+
+def make_tx(cfg: TrainConfig):
+    """The run's optimizer chain (optim.make_optimizer), laid out on its model's parameters."""
+    return make_optimizer(cfg.optim, cfg.steps, **optimizer_layout(cfg.model))
 
 
 def load_checkpointed(run_dir: pathlib.Path, step: int | None, flag: str = "",

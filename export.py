@@ -19,17 +19,16 @@ import tyro
 
 from checkpoint import abstract_state, checkpoint_manager, restore_checkpoint, unreadable
 from cli import UserError, check_new_folder, claim_partial, command, parse
-from config import load_checkpointed
+from config import load_checkpointed, make_tx
 from data import TokenData
 from distributed import MeshConfig, make_mesh
 from hf import hf_config, to_hf
-from model import forward, optimizer_layout
-from optim import make_optimizer
+from model import forward
 
 
 def restore_params(run: pathlib.Path, step: int, cfg) -> dict:
     """The parameters of a run's checkpoint, on one device, as NumPy arrays."""
-    tx = make_optimizer(cfg.optim, cfg.steps, **optimizer_layout(cfg.model))
+    tx = make_tx(cfg)
     mesh = make_mesh(MeshConfig(1, 1), jax.devices()[:1])
     with jax.set_mesh(mesh):
         try:

@@ -68,7 +68,7 @@ def mesh_of(data, model):
 
 
 def init_sharded(cfg, mesh, tx=None):
-    tx = tx or T.make_tx(cfg)
+    tx = tx or CF.make_tx(cfg)
     target = C.abstract_state(cfg.model, tx, mesh)
     with jax.set_mesh(mesh):
         state = C.fresh_state(cfg.model, cfg.seed, tx, target)
@@ -77,7 +77,7 @@ def init_sharded(cfg, mesh, tx=None):
 
 def restore_final(cfg, step):
     mesh = mesh_of(1, 1)
-    tx = T.make_tx(cfg)
+    tx = CF.make_tx(cfg)
     mngr = C.checkpoint_manager(pathlib.Path(cfg.run_dir), cfg.keep_checkpoints)
     with jax.set_mesh(mesh):
         return C.restore_checkpoint(mngr, step, C.abstract_state(cfg.model, tx, mesh))
@@ -1495,7 +1495,7 @@ def test_a_dry_run_of_marin_32b_prints_the_bytes_per_device(capsys):
     out = capsys.readouterr().out
     assert "parameters" in out and "per device" in out
     cfg = CF.PRESETS["marin-32b"]
-    total, per_device = C.per_device_bytes(cfg.model, T.make_tx(cfg),
+    total, per_device = C.per_device_bytes(cfg.model, CF.make_tx(cfg),
                                            dataclasses.asdict(cfg.mesh))
     assert total / 1024 < per_device < total / 1024 * 1.1  # 3 x 4 bytes x 32B, FSDP x TP
 
@@ -2464,9 +2464,9 @@ def test_the_new_scales_first_update_is_adams_with_zero_moments_under_the_carrie
     state = restore_final(src, 6)
     mesh = mesh_of(1, 1)
     with jax.set_mesh(mesh):
-        state = C.insert_qk_norm(cfg, T.make_tx(cfg), state, mesh)
+        state = C.insert_qk_norm(cfg, CF.make_tx(cfg), state, mesh)
         tokens = D.TokenData(cfg.data).batch(6)
-        new, _ = T.make_train_step(cfg, T.make_tx(cfg))(state, jnp.asarray(tokens))
+        new, _ = T.make_train_step(cfg, CF.make_tx(cfg))(state, jnp.asarray(tokens))
     lr = float(O.lr_schedule(cfg.optim, cfg.steps)(6))
     b1, t = cfg.optim.b1, 7
     want = (1 - b1) / (1 - b1 ** t) / np.sqrt((1 - b2) / (1 - b2 ** t))

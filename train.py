@@ -48,6 +48,7 @@ from config import (
     effective,
     identity,
     load_config,
+    make_tx,
     parse_config,
     resumed,
 )
@@ -64,8 +65,8 @@ from distributed import (
     start_distributed,
 )
 from hf import load_hf
-from model import count_params, flops_per_token, logical_to_spec, loss_fn, optimizer_layout
-from optim import lr_schedule, make_optimizer, opt_metrics, per_layer_metrics
+from model import count_params, flops_per_token, logical_to_spec, loss_fn
+from optim import lr_schedule, opt_metrics, per_layer_metrics
 from report import acted, describe, final_report, read_events
 from tracking import Tracker
 
@@ -75,10 +76,6 @@ def load_data(cfg: TrainConfig) -> TokenData:
         return TokenData(cfg.data, cfg.model.vocab_size)
     except ValueError as e:
         raise UserError(str(e)) from None
-
-
-def make_tx(cfg: TrainConfig):
-    return make_optimizer(cfg.optim, cfg.steps, **optimizer_layout(cfg.model))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,7 +39,14 @@ import checkpoint
 import train
 from checkpoint import carry, init_new_leaves
 from cli import UserError, command, parse
-from config import TrainConfig, check_same_run, load_checkpointed, load_config, parse_flags
+from config import (
+    TrainConfig,
+    check_same_run,
+    load_checkpointed,
+    load_config,
+    make_tx,
+    parse_flags,
+)
 from distributed import setup_mesh
 from optim import lr_schedule
 
@@ -101,7 +108,7 @@ def convert_checkpoint(src_run: pathlib.Path, step: int, src_cfg: TrainConfig,
     Everything is written to DST.converting/ first and renamed to dst_run only once the
     checkpoint is complete: a conversion killed half-way leaves no run that could start over
     from random parameters under the warm-started config."""
-    src_tx, tx = train.make_tx(src_cfg), train.make_tx(cfg)
+    src_tx, tx = make_tx(src_cfg), make_tx(cfg)
     src_mngr = checkpoint.checkpoint_manager(src_run, read_only=True)
     try:  # restored straight onto the target mesh, whatever mesh wrote it
         source = checkpoint.restore_checkpoint(

@@ -67,7 +67,7 @@ import model as M
 import optim as O
 import train as T
 import warmstart as W
-from config import PRESETS, TrainConfig, config_from_dict
+from config import PRESETS, TrainConfig, config_from_dict, make_tx
 from data import DataConfig
 from distributed import MeshConfig, make_mesh
 from lab import harness as S
@@ -199,7 +199,7 @@ def variant_timer(spec: dict, tmp: pathlib.Path):
             0, cfg.model.vocab_size, (cfg.data.batch_size, cfg.data.seq_len + 1)).astype(
             np.int32), jax.NamedSharding(mesh, jax.P("data")))
         tx = plain_adamw(cfg.optim, cfg.steps, M.decay_mask(cfg.model)) if spec["plain_adamw"] \
-            else T.make_tx(cfg)
+            else make_tx(cfg)
         t = time.perf_counter()
         state = C.fresh_state(cfg.model, cfg.seed, tx, C.abstract_state(cfg.model, tx, mesh))
         step = T.make_train_step(cfg, tx)
@@ -362,7 +362,7 @@ def temp_memory(cfg, seq: int, form: str) -> int:
     c = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=form),
                             data=dataclasses.replace(cfg.data, seq_len=seq, batch_size=1))
     mesh = make_mesh(c.mesh)
-    tx = T.make_tx(c)
+    tx = make_tx(c)
     with jax.set_mesh(mesh):
         state = C.abstract_state(c.model, tx, mesh)
         tokens = jax.ShapeDtypeStruct((1, seq + 1), jnp.int32,
@@ -373,7 +373,7 @@ def temp_memory(cfg, seq: int, form: str) -> int:
 
 def compile_seconds(cfg) -> float:
     mesh = make_mesh(cfg.mesh)
-    tx = T.make_tx(cfg)
+    tx = make_tx(cfg)
     with jax.set_mesh(mesh):
         state = C.abstract_state(cfg.model, tx, mesh)
         tokens = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), jnp.int32,
@@ -388,7 +388,7 @@ def bench_warmstart(cfg, repeats=3):
         tmp = pathlib.Path(tmp)
         src = dataclasses.replace(cfg, run_dir=str(tmp / "src"))
         mesh = make_mesh(src.mesh)
-        tx = T.make_tx(src)
+        tx = make_tx(src)
         target = C.abstract_state(src.model, tx, mesh)
         with jax.set_mesh(mesh):
             state = C.fresh_state(src.model, src.seed, tx, target)

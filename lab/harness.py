@@ -27,7 +27,7 @@ import numpy as np
 import train as T
 from checkpoint import init_state, insert_qk_norm
 from cli import UserError, written_whole
-from config import TrainConfig
+from config import TrainConfig, make_tx
 from data import TokenData
 from distributed import MeshConfig, make_mesh
 from lab.rows import (
@@ -85,7 +85,7 @@ def train_members(cfg: TrainConfig, seeds, chunk: int = 50, eval_every: int = 25
     next call, so a killed run goes on from its last evaluation (bitwise: the chunks after it
     are the same). Returns [M, steps, ...] arrays of every metric of the step, the held-out loss
     every `eval_every` steps and the seconds it took."""
-    tx = T.make_tx(cfg)
+    tx = make_tx(cfg)
     step_fn = T.build_train_step(cfg, tx)
     qk_clip = cfg.optim.qk_clip > 0
 
@@ -401,7 +401,7 @@ def train_fork(g: Group, log=print) -> dict:
                             "out of results/search.json, then python -m lab.experiments "
                             f"{src.name})")
     src_cfg = src.config()
-    src_tx = T.make_tx(src_cfg)
+    src_tx = make_tx(src_cfg)
     mesh = one_device_mesh()
     with jax.set_mesh(mesh):
         like = jax.eval_shape(jax.vmap(lambda s: init_state(src_cfg.model, s, src_tx)),
@@ -413,7 +413,7 @@ def train_fork(g: Group, log=print) -> dict:
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(
             cfg.optim, rewarmup_start=at if "rewarmup_steps" in dict(g.optim) else -1,
             qk_clip_start=at if cfg.optim.qk_clip > 0 else 0))
-        tx = T.make_tx(cfg)
+        tx = make_tx(cfg)
         carry = functools.partial(insert_qk_norm, cfg, tx, mesh=mesh) \
             if cfg.model.qk_norm and not src_cfg.model.qk_norm else (lambda state: state)
         with jax.set_mesh(mesh):
