@@ -289,11 +289,11 @@ def _gather(p: dict, cfg: ModelConfig, dtype) -> dict:
     return {k: jax.reshard(v, specs[k]).astype(dtype) for k, v in p.items() if k != "layers"}
 
 
-def matmul_2d(x, w, out_axes: tuple[str, ...]):
+def einsum_2d_for_xla_cpu(x, w, out_axes: tuple[str, ...]):
     """x [B, T, *in] times w [*in, *out] -> [B, T, *out], its `out` axes sharded as the
-    logical `out_axes`: the einsum over the `in` axes, computed as one 2-D [B*T, in] x [in, out]
-    matmul, because XLA:CPU's backward of the batched form (whose weight gradient contracts
-    over B and T) is slower."""
+    logical `out_axes`: the einsum over the `in` axes. NOTE: a tuning for XLA:CPU, the math is
+    the einsum's: computed as one 2-D [B*T, in] x [in, out] matmul, because XLA:CPU's backward
+    of the batched form (whose weight gradient contracts over B and T) is slower."""
     B, T = x.shape[:2]
     out_shape = w.shape[x.ndim - 2:]
     out_spec = rows_spec = y_spec = shard("batch", "seq", *out_axes)  # None outside a mesh
@@ -309,9 +309,9 @@ def matmul_2d(x, w, out_axes: tuple[str, ...]):
 def qkv(h_BTD, p, cfg: ModelConfig, offset=0):
     """One layer's queries, keys and values: the projections, QK-Norm (if on) and RoPE, for
     positions offset..offset+T-1. The training forward and the cached decode both call this."""
-    q_BTNH = matmul_2d(h_BTD, p["wq"], ("heads", "head_dim"))
-    k_BTKH = matmul_2d(h_BTD, p["wk"], ("kv_heads", "head_dim"))
-    v_BTKH = matmul_2d(h_BTD, p["wv"], ("kv_heads", "head_dim"))
+    q_BTNH = einsum_2d_for_xla_cpu(h_BTD, p["wq"], ("heads", "head_dim"))
+    k_BTKH = einsum_2d_for_xla_cpu(h_BTD, p["wk"], ("kv_heads", "head_dim"))
+    v_BTKH = einsum_2d_for_xla_cpu(h_BTD, p["wv"], ("kv_heads", "head_dim"))
     if cfg.qk_norm:  # NOTE: before RoPE, per head over head_dim, as in Qwen3 (Marin's fix)
         q_BTNH = rms_norm(q_BTNH, p["q_norm"], cfg.norm_eps)
         k_BTKH = rms_norm(k_BTKH, p["k_norm"], cfg.norm_eps)
@@ -330,13 +330,13 @@ def attention(x_BTD, p, cfg: ModelConfig, head_stats: bool = False):
     stats = {"attn_logit_max": logit_max}
     if head_stats:
         stats["attn_logit_max_per_head"] = A.head_logit_max(q_BTNH, k_BTKH, spec)
-    return matmul_2d(out_BTNH, p["wo"], ("act_embed",)), stats
+    return einsum_2d_for_xla_cpu(out_BTNH, p["wo"], ("act_embed",)), stats
 
 
 def mlp(x_BTD, p):
-    gate_BTF = matmul_2d(x_BTD, p["w_gate"], ("ffw",))
-    up_BTF = matmul_2d(x_BTD, p["w_up"], ("ffw",))
-    return matmul_2d(jax.nn.silu(gate_BTF) * up_BTF, p["w_down"], ("act_embed",))
+    gate_BTF = einsum_2d_for_xla_cpu(x_BTD, p["w_gate"], ("ffw",))
+    up_BTF = einsum_2d_for_xla_cpu(x_BTD, p["w_up"], ("ffw",))
+    return einsum_2d_for_xla_cpu(jax.nn.silu(gate_BTF) * up_BTF, p["w_down"], ("act_embed",))
 
 
 def scaled_embedding(x_BTD, cfg: ModelConfig):
@@ -395,7 +395,7 @@ def forward_cached(params: dict, tokens_BT, cache: dict, cfg: ModelConfig):
         v_cache_BSKH = jax.lax.dynamic_update_slice(v_cache_BSKH, v_BTKH, (0, pos, 0, 0))
         out_BTNH, _ = A.dense(q_BTNH, k_cache_BSKH, v_cache_BSKH, q_offset=pos,
                               softcap=cfg.attn_softcap)
-        x_BTD = x_BTD + matmul_2d(out_BTNH, p["wo"], ("act_embed",))
+        x_BTD = x_BTD + einsum_2d_for_xla_cpu(out_BTNH, p["wo"], ("act_embed",))
         return x_BTD + mlp(rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps), p), (k_cache_BSKH,
                                                                                 v_cache_BSKH)
 

@@ -787,13 +787,6 @@ def test_muon_splits_the_parameters_as_levanters_muon_does():
             np.testing.assert_allclose(np.asarray(updates["head"]), 1.0, rtol=1e-5)
 
 
-def test_a_split_sequence_is_refused_in_one_line(monkeypatch):
-    """Every attention form builds its causal mask from the positions on one device."""
-    monkeypatch.setitem(M.LOGICAL_TO_MESH, "seq", "model")
-    with pytest.raises(UserError, match="keep \"seq\" unsplit"):
-        DI.check_fits(CF.MeshConfig(1, 1), tiny().model, 8, 1)
-
-
 def test_the_optimizer_reads_the_weight_layout_from_the_parameter_table():
     """Muon's input / output dims and QK-Clip's head dims come from model.param_table (its axes
     and fan_in), not from a second table of names: the same dims the optimizer used to name."""
@@ -1221,8 +1214,16 @@ def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
     assert C.saved_steps(run)[0] == 2 and int(restore_final(cfg, C.saved_steps(run)[-1])["step"]) \
         == C.saved_steps(run)[-1]
 
+
+def test_a_split_sequence_is_refused_in_one_line(monkeypatch):
+    """Every attention form builds its causal mask from the positions on one device."""
+    monkeypatch.setitem(M.LOGICAL_TO_MESH, "seq", "model")
+    with pytest.raises(UserError, match="keep \"seq\" unsplit"):
+        DI.check_fits(CF.MeshConfig(1, 1), tiny().model, 8, 1)
+
+
 # ---------------------------------------------------------------------------------------------
-# checkpoint.py: exact resume, across meshes, damaged checkpoints, older checkpoints
+# checkpoint.py and compat.py: exact resume, across meshes, damaged checkpoints, older layouts
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
@@ -1475,7 +1476,7 @@ def test_a_checkpoint_of_an_earlier_layout_restores_exactly_and_resumes(name, fl
 
 
 # ---------------------------------------------------------------------------------------------
-# train.py: the CLI, bad input, a run that learns, stopping
+# config.py and cli.py: the presets, the flags, config.json read back
 
 def test_every_preset_and_flag_parses():
     cfg = CF.parse_config([])
@@ -1488,6 +1489,28 @@ def test_every_preset_and_flag_parses():
     assert CF.parse_config(["marin-32b"]).model.n_layers == 64
     for name, preset in CF.PRESETS.items():  # every preset survives its own CLI round trip
         assert CF.parse_config([name]) == preset
+
+
+@pytest.mark.slow
+def test_a_config_field_in_a_flag_error_is_named_as_its_flag():
+    import cli
+    assert cli.as_flags("optim.max_grad_norm must be >= 0; model.d_model=64") == \
+        "--optim.max-grad-norm must be >= 0; --model.d-model=64"
+    for untouched in ("--optim.lr is 0", "hf/model.safetensors", "model.layers.1.mlp.up_proj"):
+        assert cli.as_flags(untouched) == untouched
+
+
+def test_qk_clip_switched_on_after_the_guard_inserted_qk_norm_is_one_line():
+    escalation = {"action": "escalate", "event_step": 9, "rollback_to": 8, "replaced_until": 10,
+                  "extra_steps": 2, "escalation": "qk-norm", "rewarm_steps": 4, "rule": "shift"}
+    assert CF.effective(tiny(), [escalation]).model.qk_norm
+    with pytest.raises(UserError, match=r"the guard escalated this run \(qk-norm at step 8; "
+                       r"events.jsonl\): --optim.qk-clip"):
+        CF.effective(tiny(optim__qk_clip=50.0), [escalation])
+
+
+# ---------------------------------------------------------------------------------------------
+# train.py: the CLI, bad input, a run that learns, stopping
 
 
 def test_a_dry_run_of_marin_32b_prints_the_bytes_per_device(capsys):
@@ -1798,15 +1821,6 @@ def test_bad_input_exits_2_and_writes_nothing(command, argv, message, bad_files,
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow
-def test_a_config_field_in_a_flag_error_is_named_as_its_flag():
-    import cli
-    assert cli.as_flags("optim.max_grad_norm must be >= 0; model.d_model=64") == \
-        "--optim.max-grad-norm must be >= 0; --model.d-model=64"
-    for untouched in ("--optim.lr is 0", "hf/model.safetensors", "model.layers.1.mlp.up_proj"):
-        assert cli.as_flags(untouched) == untouched
-
-
 def test_bad_input_from_the_shell_is_one_line_too(tmp_path):
     out = subprocess.run([sys.executable, "train.py", "tiny", "--model.n-heads", "5",
                           "--run-dir", str(tmp_path / "r")], cwd=HERE, capture_output=True,
@@ -2037,6 +2051,22 @@ def test_poisoned_stretch_stops_with_the_last_good_checkpoint(tmp_path, monkeypa
     good = restore_final(cfg, 2)
     assert int(good["step"]) == 2 and all(np.isfinite(np.asarray(x)).all()
                                          for x in jax.tree.leaves(good["params"]))
+
+
+@pytest.mark.slow
+def test_the_held_out_loss_is_the_mean_over_the_whole_fixed_set_in_one_pass():
+    cfg = dataclasses.replace(TINY, data=dataclasses.replace(TINY.data, eval_sequences=20))
+    data = D.TokenData(cfg.data)
+    batches = data.held_out_batches()
+    assert batches.shape == (3, 8, 33)  # 20 windows, rounded up to 3 batches of 8
+    assert len({b.tobytes() for b in batches.reshape(24, 33)}) == 24  # distinct windows
+    np.testing.assert_array_equal(batches, D.TokenData(cfg.data).held_out_batches())
+    params = M.init_params(cfg.model, jax.random.key(0))
+    mesh = mesh_of(2, 1)
+    with jax.set_mesh(mesh):
+        loss = float(T.make_eval_step(cfg)(params, T.put_held_out(data, mesh)))
+        each = [float(M.loss_fn(params, jnp.asarray(b), cfg.model)[1]["ce"]) for b in batches]
+    assert loss == pytest.approx(np.mean(each), rel=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2391,43 +2421,6 @@ def test_an_escalation_the_run_could_not_carry_out_is_refused_before_it_starts(
     assert err.count("\n") == 1 and says in err and not (tmp_path / "run").exists(), err
 
 
-def test_qk_clip_switched_on_after_the_guard_inserted_qk_norm_is_one_line():
-    escalation = {"action": "escalate", "event_step": 9, "rollback_to": 8, "replaced_until": 10,
-                  "extra_steps": 2, "escalation": "qk-norm", "rewarm_steps": 4, "rule": "shift"}
-    assert CF.effective(tiny(), [escalation]).model.qk_norm
-    with pytest.raises(UserError, match=r"the guard escalated this run \(qk-norm at step 8; "
-                       r"events.jsonl\): --optim.qk-clip"):
-        CF.effective(tiny(optim__qk_clip=50.0), [escalation])
-
-
-def test_warmstart_never_removes_a_converting_folder_it_did_not_write(tmp_path, capsys):
-    src = tmp_path / "src"
-    (src / "checkpoints" / "4").mkdir(parents=True)
-    C.write_config(src, dataclasses.asdict(tiny(tmp_path)))
-    mine = tmp_path / "new.converting"
-    mine.mkdir()
-    (mine / "notes.txt").write_text("a user's file")
-    assert W.main(["--from", str(src), "--to", str(tmp_path / "new"), "--no-train"]) == 2
-    assert "not written by warmstart.py" in capsys.readouterr().err
-    assert (mine / "notes.txt").read_text() == "a user's file"
-
-
-@pytest.mark.slow
-def test_the_held_out_loss_is_the_mean_over_the_whole_fixed_set_in_one_pass():
-    cfg = dataclasses.replace(TINY, data=dataclasses.replace(TINY.data, eval_sequences=20))
-    data = D.TokenData(cfg.data)
-    batches = data.held_out_batches()
-    assert batches.shape == (3, 8, 33)  # 20 windows, rounded up to 3 batches of 8
-    assert len({b.tobytes() for b in batches.reshape(24, 33)}) == 24  # distinct windows
-    np.testing.assert_array_equal(batches, D.TokenData(cfg.data).held_out_batches())
-    params = M.init_params(cfg.model, jax.random.key(0))
-    mesh = mesh_of(2, 1)
-    with jax.set_mesh(mesh):
-        loss = float(T.make_eval_step(cfg)(params, T.put_held_out(data, mesh)))
-        each = [float(M.loss_fn(params, jnp.asarray(b), cfg.model)[1]["ce"]) for b in batches]
-    assert loss == pytest.approx(np.mean(each), rel=1e-5)
-
-
 # ---------------------------------------------------------------------------------------------
 # warmstart.py
 
@@ -2756,8 +2749,20 @@ def test_the_lr_applied_follows_the_global_step_through_skips_and_a_warm_start(
     assert applied_lrs(cfg, [8])[8] == pytest.approx(0.1 * cfg.optim.lr, rel=1e-3)
 
 
+def test_warmstart_never_removes_a_converting_folder_it_did_not_write(tmp_path, capsys):
+    src = tmp_path / "src"
+    (src / "checkpoints" / "4").mkdir(parents=True)
+    C.write_config(src, dataclasses.asdict(tiny(tmp_path)))
+    mine = tmp_path / "new.converting"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("a user's file")
+    assert W.main(["--from", str(src), "--to", str(tmp_path / "new"), "--no-train"]) == 2
+    assert "not written by warmstart.py" in capsys.readouterr().err
+    assert (mine / "notes.txt").read_text() == "a user's file"
+
+
 # ---------------------------------------------------------------------------------------------
-# export.py: Hugging Face folders out and in
+# hf.py and export.py: Hugging Face folders out and in
 
 def hf_numpy_logits(folder: pathlib.Path, tokens_T: np.ndarray) -> np.ndarray:
     """Logits [T, V] of a Hugging Face Llama / Qwen3 folder, computed in float64 NumPy from its
@@ -2846,6 +2851,9 @@ def test_a_run_initialised_from_a_hf_folder_starts_from_its_weights(straight_run
     assert first["loss"] == pytest.approx(float(loss), rel=1e-6)
     assert C.read_config(tmp_path / "run")["init_from_hf"] == str(hf)
 
+
+# ---------------------------------------------------------------------------------------------
+# sample.py: text from a checkpoint
 
 def test_greedy_sampling_is_deterministic_and_starts_with_the_forward_argmax(straight_run,
                                                                              capsys):
