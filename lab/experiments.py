@@ -74,6 +74,10 @@ from lab.tables import (
     evidence_markdown,
     evidence_rows,
     judged,
+    knob_rows,
+    knobs_markdown,
+    lever_break_rows,
+    lever_breaks_markdown,
     levers_markdown,
     mechanism,
     mechanism_table,
@@ -438,6 +442,8 @@ class Args:
     evidence: bool = False  # the 8-seed rates with intervals
     widths: bool = False  # Wortsman's proxy across widths: best and break LR per width
     zloss: bool = False  # the output-logit divergence at d_model 32: z-loss off against on
+    knobs: bool = False  # when is QK-Norm necessary: best -> break distance per knob, d_model 32
+    breaks: bool = False  # how far each lever moves the break LR, d_model 32
     plot: bool = False  # with a table flag: its figure, and the table into results/README.md
     rerun: str = ""  # train one stored member of this evidence row again (with --seed)
     seed: int = 0  # the seed --rerun trains again
@@ -464,7 +470,9 @@ def harness_tables(args: Args) -> None:
             (args.evidence, lambda r: evidence_markdown(evidence), "evidence",
              lambda r, out: plot_evidence(evidence, out)),
             (args.widths, widths_markdown, "widths", plot_widths),
-            (args.zloss, zloss_markdown, "zloss", plot_zloss)):
+            (args.zloss, zloss_markdown, "zloss", plot_zloss),
+            (args.knobs, knobs_markdown, "knobs", None),
+            (args.breaks, lever_breaks_markdown, "lever-breaks", None)):
         if not flag:
             continue
         print(table := text(record))
@@ -473,8 +481,10 @@ def harness_tables(args: Args) -> None:
                 print(f"wrote {figure(record, RESULTS)}")
             update_readme(table, part=part)
             print(f"wrote the table in {RESULTS}/README.md")
-            if rows := {"widths": width_rows, "zloss": zloss_rows}.get(part):
-                key = "widths" if part == "widths" else "widths_zloss"
+            if rows := {"widths": width_rows, "zloss": zloss_rows, "knobs": knob_rows,
+                        "lever-breaks": lever_break_rows}.get(part):
+                key = {"widths": "widths", "zloss": "widths_zloss", "knobs": "knobs",
+                       "lever-breaks": "lever_breaks"}[part]
                 write_results_json({key: rows(record)})
                 print(f"wrote the rows in {RESULTS}/results.json ({key!r})")
 
@@ -485,7 +495,8 @@ def main(argv: list[str]) -> int:
     if args.slim:
         harness.slim_curves()
         return 0
-    if args.levers or args.sweep or args.evidence or args.widths or args.zloss or args.rerun:
+    if any((args.levers, args.sweep, args.evidence, args.widths, args.zloss, args.knobs,
+            args.breaks, args.rerun)):
         harness_tables(args)
         return 0
     names = list(args.names)

@@ -18,6 +18,8 @@ from lab import harness
 from lab.harness import read_curve, seed_curve
 from lab.rows import (
     EVIDENCE_GROUPS,
+    KNOBS,
+    LEVER_BREAKS,
     LEVERS,
     SENSITIVITY_LRS,
     STORY,
@@ -244,46 +246,56 @@ def members_by_lr(record: dict, name: str) -> dict[float, list[dict]]:
     return by_lr
 
 
+def grid(record: dict, names) -> dict | None:
+    """One arm over an LR grid, its groups' members (`names`, run so far) pooled by LR: per LR
+    the seeds' held-out loss at the end (NaN where the run went non-finite) and whether each
+    had a level shift (or went non-finite); the best LR (the lowest mean held-out), whether the
+    grid brackets it, the break LR (the lowest LR with a level shift in at least half the
+    seeds), their distance in decades, each seed's own best and break LR (their spread over
+    seeds) and the max attention logit per LR; None before any has run."""
+    by_lr: dict = {}
+    for name in names:
+        if name in record["groups"]:
+            by_lr |= members_by_lr(record, name)
+    if not by_lr:
+        return None
+    lrs = sorted(by_lr)
+    final = {lr: [m["eval_loss"][-1] if m["finite"] else math.nan for m in by_lr[lr]]
+             for lr in lrs}
+    broke = {lr: [bool(m["shift_steps"]) or not m["finite"] for m in by_lr[lr]] for lr in lrs}
+    means = [np.mean(final[lr]) if np.all(np.isfinite(final[lr])) else math.inf for lr in lrs]
+    best = lrs[int(np.argmin(means))]
+    brk = next((lr for lr in lrs if np.mean(broke[lr]) >= 0.5), None)
+    seeds = [m["seed"] for m in by_lr[lrs[0]]]
+    per_seed = [{lr: final[lr][i] if np.isfinite(final[lr][i]) else math.inf for lr in lrs}
+                for i in range(len(seeds))]
+    return {"lrs": lrs, "seeds": seeds, "final": final, "broke": broke, "best_lr": best,
+            "bracketed": lrs[0] < best < lrs[-1],
+            "cpu": record["groups"][next(n for n in names if n in record["groups"])].get(
+                "machine", {}).get("cpu"),
+            "break_lr": brk, "decades": math.log10(brk / best) if brk else None,
+            "best_lr_seeds": [min(f, key=f.get) for f in per_seed],
+            "break_lr_seeds": [next((lr for lr in lrs if broke[lr][i]), None)
+                               for i in range(len(seeds))],
+            "max_logit": {lr: max(m["max_attn_logit"] for m in by_lr[lr]) for lr in lrs}}
+
+
 def width_rows(record: dict) -> list[dict]:
-    """Per width and arm run so far: per LR the seeds' held-out loss at the end (NaN where the
-    run went non-finite) and whether each had a level shift (or went non-finite); the best LR
-    (the lowest mean held-out), whether the grid brackets it, the break LR (the lowest LR with a
-    level shift in at least half the seeds), their distance in decades, each seed's own best
-    and break LR (their spread over seeds), and Wortsman's LR sensitivity per seed over the LRs
-    run in his range (SENSITIVITY_LRS)."""
+    """Per width and arm run so far: its grid() and Wortsman's LR sensitivity per seed over
+    the LRs run in his range (SENSITIVITY_LRS)."""
     rows = []
     for g in WIDTH_ROWS:
-        if g.name not in record["groups"]:
+        if (r := grid(record, [g.name])) is None:
             continue
-        by_lr = members_by_lr(record, g.name)
-        lrs = sorted(by_lr)
-        final = {lr: [m["eval_loss"][-1] if m["finite"] else math.nan for m in by_lr[lr]]
-                 for lr in lrs}
-        broke = {lr: [bool(m["shift_steps"]) or not m["finite"] for m in by_lr[lr]]
-                 for lr in lrs}
-        means = [np.mean(final[lr]) if np.all(np.isfinite(final[lr])) else math.inf
-                 for lr in lrs]
-        best = lrs[int(np.argmin(means))]
-        brk = next((lr for lr in lrs if np.mean(broke[lr]) >= 0.5), None)
-        seeds = [m["seed"] for m in by_lr[lrs[0]]]
-        per_seed = [{lr: final[lr][i] if np.isfinite(final[lr][i]) else math.inf for lr in lrs}
-                    for i in range(len(seeds))]
+        lrs, final = r["lrs"], r["final"]
         initial = [float(read_curve(g.name, f"lr{lrs[0]:g}-seed{s}")["loss"][0])
-                   for s in seeds]  # the first step's train loss
+                   for s in r["seeds"]]  # the first step's train loss
         sens = [lr_sensitivity({lr: final[lr][i] for lr in lrs if lr in SENSITIVITY_LRS},
                                initial[i])
-                for i in range(len(seeds))]
-        rows.append({"width": g.d_model, "qk_norm": g.qk_norm, "lrs": lrs, "final": final,
-                     "broke": broke, "best_lr": best,
-                     "bracketed": lrs[0] < best < lrs[-1],
-                     "cpu": record["groups"][g.name].get("machine", {}).get("cpu"),
-                     "break_lr": brk, "decades": math.log10(brk / best) if brk else None,
-                     "best_lr_seeds": [min(f, key=f.get) for f in per_seed],
-                     "break_lr_seeds": [next((lr for lr in lrs if broke[lr][i]), None)
-                                        for i in range(len(seeds))],
-                     "sensitivity": sens, "initial": float(np.mean(initial)),
-                     "max_logit": {lr: max(m["max_attn_logit"] for m in by_lr[lr])
-                                   for lr in lrs}})
+                for i in range(len(r["seeds"]))]
+        rows.append({"width": g.d_model, "qk_norm": g.qk_norm,
+                     **{k: v for k, v in r.items() if k != "seeds"},
+                     "sensitivity": sens, "initial": float(np.mean(initial))})
     return rows
 
 
@@ -339,6 +351,120 @@ def widths_answer(rows: list[dict]) -> list[str]:
         out.append(f"- QK-Norm moves the break LR up at {len(up)} of {len(both)} widths "
                    f"({', '.join(map(str, up)) or 'none'}).")
     return out
+
+
+# "Within half a decade" on the half-decade grid: the break at the grid's next LR above the best
+# (its steps are log10(3) = 0.48 and log10(10/3) = 0.52 decades). Fixed before any knob ran.
+HALF_DECADE = 0.53
+
+
+def knob_rows(record: dict) -> list[dict]:
+    """When is QK-Norm necessary? Per knob (d_model 32's proxy as it is, then each of KNOBS)
+    and arm run so far, its grid(): the distance best LR -> break LR in decades, and each
+    seed's own distance (its break over its best; None where it did not break)."""
+    rows = []
+    for tag, names in [("as it is", ("width32", "width32-qk"))] + [
+            (tag, (f"width32-{tag}", f"width32-{tag}-qk")) for tag in KNOBS]:
+        for qk, name in zip((False, True), names):
+            if (r := grid(record, [name])) is None:
+                continue
+            r["seed_decades"] = [math.log10(b / a) if b else None
+                                 for a, b in zip(r["best_lr_seeds"], r["break_lr_seeds"])]
+            rows.append({"knob": tag, "qk_norm": qk, **r})
+    return rows
+
+
+def show_lr(x, fmt="g") -> str:
+    return "none in the grid" if x is None else format(x, fmt)
+
+
+def knobs_markdown(record: dict) -> str:
+    rows = knob_rows(record)
+    if not rows:
+        return "no knob run yet (python -m lab.experiments width32-b2.999 width32-b2.999-qk ...)"
+    lines = ["| knob (d_model 32) | QK-Norm | best LR (each seed's) | break LR (each seed's) | "
+             "best to break, decades (each seed's) | max attn logit at the break |",
+             "|---" * 6 + "|"]
+    for r in rows:
+        seeds = ", ".join("—" if d is None else f"{d:.1f}" for d in r["seed_decades"])
+        lines.append(
+            f"| {r['knob']} | {'yes' if r['qk_norm'] else 'no'} | {r['best_lr']:g} "
+            f"({', '.join(format(x, 'g') for x in r['best_lr_seeds'])}) | "
+            f"{show_lr(r['break_lr'])} "
+            f"({', '.join('none' if x is None else format(x, 'g') for x in r['break_lr_seeds'])})"
+            f" | {'—' if r['decades'] is None else format(r['decades'], '.1f')} ({seeds}) | "
+            f"{'—' if r['break_lr'] is None else format(r['max_logit'][r['break_lr']], ',.0f')}"
+            " |")
+    return "\n".join(lines + [""] + knobs_answer(rows))
+
+
+def knobs_answer(rows: list[dict]) -> list[str]:
+    """The issue's goal, read off the rows: a knob under which the baseline breaks within half a
+    decade of its own best LR while QK-Norm does not; else how far each knob narrows the
+    baseline's distance against the proxy as it is."""
+    by = {(r["knob"], r["qk_norm"]): r for r in rows}
+    base = by.get(("as it is", False))
+    out = []
+    for (knob, qk), r in by.items():
+        if qk or knob == "as it is":
+            continue
+        twin = by.get((knob, True))
+        near = r["decades"] is not None and r["decades"] <= HALF_DECADE
+        twin_ok = twin is not None and (twin["decades"] is None or twin["decades"] > HALF_DECADE)
+        moved = (f"{r['decades'] - base['decades']:+.1f} decades against the proxy as it is"
+                 if base and base["decades"] is not None and r["decades"] is not None else
+                 "not comparable (a break outside a grid)")
+        gap = "nowhere in the grid" if r["decades"] is None else \
+            f"{r['decades']:.1f} decades above its best LR"
+        qk = "QK-Norm's arm has not run" if twin is None else "with QK-Norm " + (
+            "no break in the grid" if twin["decades"] is None else
+            f"{twin['decades']:.1f} decades")
+        verdict = ". **Within half a decade while QK-Norm is not.**" if near and twin_ok else "."
+        out.append(f"- {knob}: the baseline breaks {gap} ({moved}); {qk}{verdict}")
+    return out
+
+
+def lever_break_rows(record: dict) -> list[dict]:
+    """How far each lever moves the break (LEVER_BREAKS, d_model 32): its break LR over its
+    groups pooled (a break at the grid's lowest LR reads as "<=", none as "> the highest"), as
+    a ratio to the baseline's, and each seed's against the same seed's."""
+    rows = []
+    base = grid(record, LEVER_BREAKS["baseline"])
+    for label, names in LEVER_BREAKS.items():
+        if (r := grid(record, names)) is None:
+            continue
+        brk, lrs = r["break_lr"], r["lrs"]
+        bound = "<=" if brk == lrs[0] else ">" if brk is None else "="
+        value = lrs[-1] if brk is None else brk
+        ratio = seeds = None
+        if base and base["break_lr"]:
+            ratio = value / base["break_lr"]
+            seeds = [None if b is None or x is None else x / b
+                     for x, b in zip(r["break_lr_seeds"], base["break_lr_seeds"])]
+        rows.append({"lever": label, "groups": list(names), "lrs": lrs, "break_lr": brk,
+                     "bound": bound, "value": value, "ratio": ratio, "seed_ratios": seeds,
+                     "break_lr_seeds": r["break_lr_seeds"],
+                     "max_logit": r["max_logit"], "cpu": r["cpu"]})
+    return rows
+
+
+def lever_breaks_markdown(record: dict) -> str:
+    rows = lever_break_rows(record)
+    if not rows:
+        return "no lever's break run yet"
+    lines = ["| lever (d_model 32, 3 seeds) | LRs run | break LR (each seed's) | x the baseline's "
+             "(each seed's) |", "|---" * 4 + "|"]
+    for r in rows:
+        brk = ("none" if r["bound"] == ">" else "") + \
+            {"=": "", "<=": "<= ", ">": f" up to {r['value']:g}"}[r["bound"]] + \
+            ("" if r["bound"] == ">" else format(r["value"], "g"))
+        each = ", ".join("none" if x is None else format(x, "g") for x in r["break_lr_seeds"])
+        ratio = "—" if r["ratio"] is None else (
+            {"=": "", "<=": "<= ", ">": "> "}[r["bound"]] + f"{r['ratio']:.2g}"
+            + f" ({', '.join('—' if x is None else format(x, '.2g') for x in r['seed_ratios'])})")
+        lines.append(f"| {r['lever']} | {', '.join(format(x, 'g') for x in r['lrs'])} | "
+                     f"{brk} ({each}) | {ratio} |")
+    return "\n".join(lines)
 
 
 def zloss_rows(record: dict) -> list[dict]:

@@ -525,6 +525,44 @@ def test_the_widths_table_finds_the_best_and_the_break_lr_per_width(tmp_path, mo
     assert stored["widths"][0]["final"]["1.0"] == [None] * 3  # diverged: null, not NaN
 
 
+def test_the_knob_and_lever_tables_read_the_distance_and_the_break_ratio_per_seed():
+    """Planted d_model 32 members: the proxy as it is breaks at 0.3 (seeds 0, 2) and 0.1
+    (seed 1) with its best at 3e-3; under beta2 0.999 the baseline breaks from 1e-2 in every
+    seed (half a decade above its best) while its QK-Norm twin never does: the goal's verdict.
+    QK-Norm's break is read over width32-qk and width32-qk-high pooled (at 3), a lever that
+    breaks at its grid's lowest LR reads "<=", one that never breaks "> its highest"."""
+    def members(lrs, brk, best=3e-3):  # brk: each seed's first LR with a shift (None: none)
+        return {"members": [{"lr": lr, "seed": s, "finite": True,
+                             "eval_loss": [5.0, 1.5 + abs(np.log10(lr / best))],
+                             "shift_steps": [2000] if b is not None and lr >= b else [],
+                             "max_attn_logit": 10.0 * lr}
+                            for lr in lrs for s, b in enumerate(brk)]}
+    grid = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
+    record = {"groups": {
+        "width32": members(grid, (0.3, 0.1, 0.3)), "width32-qk": members(grid, (None,) * 3),
+        "width32-qk-high": members((3.0, 10.0), (3.0, 3.0, 10.0)),
+        "width32-b2.999": members(grid, (1e-2, 1e-2, 1e-2)),
+        "width32-b2.999-qk": members(grid, (None,) * 3),
+        "width32-softcap50": members((0.03, 0.1), (0.03, 0.03, 0.03)),
+        "width32-embed-scale": members((0.03, 0.1), (None,) * 3)}}
+    rows = {(r["knob"], r["qk_norm"]): r for r in TB.knob_rows(record)}
+    assert rows[("as it is", False)]["decades"] == pytest.approx(2.0)
+    assert rows[("b2.999", False)]["seed_decades"] == pytest.approx([np.log10(1e-2 / 3e-3)] * 3)
+    text = TB.knobs_markdown(record)
+    assert ("- b2.999: the baseline breaks 0.5 decades above its best LR (-1.5 decades against "
+            "the proxy as it is); with QK-Norm no break in the grid. **Within half a decade "
+            "while QK-Norm is not.**") in text
+    levers = {r["lever"]: r for r in TB.lever_break_rows(record)}
+    assert levers["QK-Norm"]["break_lr"] == 3.0 and levers["QK-Norm"]["ratio"] == 10.0
+    assert levers["QK-Norm"]["seed_ratios"] == pytest.approx([10.0, 30.0, 100 / 3])
+    assert levers["soft-cap 50"]["bound"] == "<=" and levers["Scaled Embed"]["bound"] == ">"
+    table = TB.lever_breaks_markdown(record)
+    assert "| soft-cap 50 | 0.03, 0.1 | <= 0.03 (0.03, 0.03, 0.03) | <= 0.1 (0.1, 0.3, 0.1) |" \
+        in table
+    assert "| Scaled Embed | 0.03, 0.1 | none up to 0.1 (none, none, none) | > 0.33 (—, —, —) |" \
+        in table
+
+
 def test_the_zloss_table_reads_the_output_logits_from_the_stored_curves(tmp_path, monkeypatch):
     """Planted z-loss members at d_model 32: z-loss off, LR 1, seed 2 goes non-finite at step
     150 of 200 (its log Z is the mean of the last 100 finite steps, 50-149; its max |output
