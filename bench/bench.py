@@ -40,7 +40,6 @@ paired with itself shows how close two identical steps come in one process.
 and cudnn + QK-Norm attention, one after the other in one process.
 """
 
-import argparse
 import contextlib
 import dataclasses
 import io
@@ -67,6 +66,7 @@ import model as M
 import optim as O
 import train as T
 import warmstart as W
+from cli import command, parse
 from config import PRESETS, TrainConfig, config_from_dict, make_tx
 from data import DataConfig
 from distributed import MeshConfig, make_mesh
@@ -419,24 +419,24 @@ def bench_warmstart(cfg, repeats=3):
             "warmstart_command_s": statistics.median(command)}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=7, help="turns per variant (medians)")
-    parser.add_argument("--steps-per-turn", type=int, default=3)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--accelerator", action="store_true",
-                        help="one GPU instead: a 0.9B model at seq 4,096 in bfloat16")
-    parser.add_argument("--story", action="store_true",
-                        help="where the story preset's step time goes (~5 minutes)")
-    parser.add_argument("--out", help="results file (default bench/results.json; "
-                        "bench/results-story.json with --story, bench/results-gpu.json with "
-                        "--accelerator)")
-    parser.add_argument("--harness", action="store_true",
-                        help="the search harness per member-step (~10 minutes)")
-    parser.add_argument("--harness-worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--against", metavar="CHECKOUT",
-                        help="with --harness: an older checkout whose harness to time too")
-    args = parser.parse_args()
+@dataclasses.dataclass(frozen=True)
+class BenchArgs:
+    rounds: int = 7  # turns per variant (figures are medians over them)
+    steps_per_turn: int = 3  # steps each process times in its turn
+    story: bool = False  # where the story preset's step time goes (~5 minutes)
+    harness: bool = False  # the harness per member-step (~10 minutes)
+    against: str | None = None  # with --harness: an older checkout whose harness to time too
+    accelerator: bool = False  # one GPU instead: a 0.9B model at seq 4,096 in bfloat16
+    # the results file (default bench/results.json; bench/results-story.json with --story,
+    # bench/results-gpu.json with --accelerator)
+    out: str | None = None
+    worker: bool = False  # internal: a timed variant's own process (bench.py starts them)
+    harness_worker: bool = False  # internal: one of --harness's two pinned processes
+
+
+@command
+def main(argv: list[str]) -> int:
+    args = parse(BenchArgs, argv, description=__doc__, prog="python -m bench.bench")
     if args.worker:
         return worker()
     if args.harness:
@@ -866,4 +866,4 @@ def harness_main(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -147,14 +147,18 @@ def bootstrap(values, n: int = 10_000, seed: int = 0, stat=np.mean) -> tuple[flo
 def spread(values: list[float]) -> dict:
     v = np.array(values, dtype=np.float64)
     return {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else 0.0,
-            "min": float(np.min(v)), "max": float(np.max(v)), "n": len(v)}
+            "min": float(np.min(v)), "max": float(np.max(v)), "n": len(v),
+            "ci": list(bootstrap(v))}
 
 
 def compare(a: dict, b: dict, key: str = "eval_loss") -> str:
-    """How a differs from b over seeds: a difference is called only where it exceeds the sum
-    of the two standard deviations."""
+    """How a differs from b over seeds (two spread()s), by the one rule of every table: a
+    difference is called only where the two 95% bootstrap intervals of the mean do not
+    overlap. (With 3 seeds an interval is about the seeds' range: "all of a's seeds below all
+    of b's", no more.)"""
     d = a[key]["mean"] - b[key]["mean"]
-    if abs(d) <= a[key]["std"] + b[key]["std"]:
+    (lo_a, hi_a), (lo_b, hi_b) = a[key]["ci"], b[key]["ci"]
+    if hi_a >= lo_b and hi_b >= lo_a:
         return "no measurable difference"
     return f"{'better' if d < 0 else 'worse'} ({d:+.3f})"
 

@@ -31,11 +31,13 @@ from lab.rows import (
 )
 from lab.stats import (
     bootstrap,
+    compare,
     episodes,
     first_match,
     mark_hard_batches,
     recovery,
     spliced,
+    spread,
     survival,
 )
 from report import find_shifts, find_spikes, spike_score
@@ -148,8 +150,9 @@ def levers_markdown(record: dict) -> str:
              "loss / grad norm (6σ/128) |", "|---" * 8 + "|"]
     for r in rows:
         d = r["eval_mean"] - base["eval_mean"]
-        vs = ("—" if r is base else f"{d:+.3f}" + (" (within the spread)" if abs(d) <=
-                                                     r["eval_sd"] + base["eval_sd"] else ""))
+        same = compare({"eval_loss": spread(r["eval"])}, {"eval_loss": spread(base["eval"])})
+        vs = "—" if r is base else f"{d:+.3f}" + (
+            " (within the spread)" if same == "no measurable difference" else "")
         name = {STORY.name: "baseline", STORY.name + "-qk": "QK-Norm"}.get(
             r["group"], r["group"].removeprefix("story-"))
         lines.append(f"| {name} | {', '.join(map(str, r['spikes']))} | "

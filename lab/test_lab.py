@@ -171,10 +171,14 @@ def test_lr_sensitivity_recovery_and_the_spread_rule():
     assert EX.recovery_after_warm_start(rescue, spiky, start=150) == 46
     assert EX.recovery_after_warm_start({**rescue, "loss": rescue["loss"] + 1}, spiky,
                                        start=150) is None
-    # a difference is called only where it exceeds the sum of the seeds' standard deviations
-    base = {"eval_loss": ST.spread([2.0, 2.1, 2.2])}  # std 0.1
-    assert ST.compare({"eval_loss": ST.spread([1.95, 2.0, 2.05])}, base) == \
-        "no measurable difference"  # 0.1 apart, stds 0.1 + 0.05
+    # a difference is called only where the two bootstrap intervals of the mean do not overlap
+    # (with 3 seeds the percentile interval is the seeds' range: each seed alone is drawn in
+    # 1 of 27 resamples, more than 2.5%)
+    base = {"eval_loss": ST.spread([2.0, 2.1, 2.2])}
+    assert base["eval_loss"]["ci"] == [2.0, 2.2]
+    assert ST.compare({"eval_loss": ST.spread([1.96, 1.98, 2.0])}, base) == \
+        "no measurable difference"  # the ranges touch at 2.0
+    assert ST.compare({"eval_loss": ST.spread([1.9, 1.95, 1.98])}, base) == "better (-0.157)"
     assert ST.compare({"eval_loss": ST.spread([1.7, 1.75, 1.8])}, base) == "better (-0.350)"
     assert ST.compare({"eval_loss": ST.spread([2.5, 2.6, 2.7])}, base) == "worse (+0.500)"
 
