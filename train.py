@@ -13,6 +13,7 @@ line and exit status 2, before anything is written. (`jax.jit` with shardings is
 
 import contextlib
 import dataclasses
+import functools
 import math
 import pathlib
 import sys
@@ -281,118 +282,115 @@ def guard_action(trigger, cfg, user_cfg, events: list, mngr, run_dir, mesh, log,
     return new, tx, state
 
 
+class GuardHook:
+    """--guard in the loop: it judges each logged step (guard.py's Watch over the losses it has
+    seen) and each checkpoint step (the prediction), and answers with what the loop goes on
+    from after a rollback or an escalation, (cfg, tx, state), or None to go on as before."""
+
+    def __init__(self, cfg, user_cfg, events: list, mngr, run_dir, mesh, log, start: int,
+                 held_out):
+        self.cfg, self.user_cfg, self.events = cfg, user_cfg, events
+        self.act = functools.partial(guard_action, events=events, mngr=mngr, run_dir=run_dir,
+                                     mesh=mesh, log=log)
+        self.held_out = held_out  # params -> the held-out loss (None: the state's now)
+        # the losses the guard saw, and the last step's metrics (a prediction a kill interrupted)
+        self.seen, self.before = guard.history_before(run_dir, start, cfg.model.n_layers)
+        self.watch = guard.Watch.replay(cfg.guard, self.seen, start, guard.watch_since(events))
+
+    def resumed(self, start: int):
+        """A prediction a kill kept from its record, made again (at a checkpoint step)."""
+        t = guard.predicted(self.cfg.guard, self.events, start, self.before) \
+            if start % self.cfg.checkpoint_every == 0 else None
+        return t and self.act(t, self.cfg, self.user_cfg, held_out=None)
+
+    def logged(self, last: dict):
+        """The guard's answer to a logged step."""
+        loss = last["loss"] if math.isfinite(last["grad_norm"]) else math.nan
+        self.seen[last["step"]] = loss
+        if not (trigger := self.watch.observe(last["step"], loss)):
+            return None
+        trigger = dataclasses.replace(trigger, max_logit=max(last["attn_logit_max"]))
+        answer = self.act(trigger, self.cfg, self.user_cfg, held_out=self.held_out)
+        if self.events[-1]["action"] == "data":
+            self.watch.restart()  # the new level is the data's
+        return answer
+
+    def checkpointed(self, step: int, last: dict, final: bool):
+        """At a checkpoint the watch starts again from what it has seen; then the prediction
+        (not at the end, nor when stopping), escalated where the run stands."""
+        self.watch = guard.Watch.replay(self.cfg.guard, self.seen, step,
+                                        guard.watch_since(self.events))
+        t = None if final else guard.predicted(self.cfg.guard, self.events, step, last)
+        return t and self.act(t, self.cfg, self.user_cfg, held_out=self.held_out)
+
+    def restarted(self, cfg, step: int):
+        """The loop goes on from `step` with `cfg`: the watch from the losses before it."""
+        self.cfg = cfg
+        self.seen = {s: x for s, x in self.seen.items() if step - guard.SPAN <= s < step}
+        self.watch = guard.Watch.replay(cfg.guard, self.seen, step, guard.watch_since(self.events))
+
+
 def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None, events=()) -> dict:
-    """Train from the state's step to cfg.steps. `train_until` is the loop; the guard's
-    rollbacks (and escalations) are the wrapper around it: each starts it again from the
-    rollback point with what the guard changed."""
+    """Train from the state's step to cfg.steps, phase by phase as nanoGPT's loop does. With
+    --guard, its hook judges each logged step and may answer with a point to go on from (a
+    rollback, an escalation): the loop goes on from there with what the guard changed."""
     batch_sharding = jax.NamedSharding(mesh, BATCH)
     rows = process_rows(batch_sharding, cfg.data.batch_size)
     eval_tokens = put_held_out(data, mesh, rows)
-    start = int(state["step"])
+    step = start = int(state["step"])
     if start >= cfg.steps:  # a finished run, resumed: nothing to train
         say(f"{run_dir} is done (step {start} of {cfg.steps}): sample it with python sample.py "
             f"{run_dir}, or train on with python train.py --resume {run_dir} --steps N")
         return {}
-    stop, log, events = StopRequested(run_dir), Log(cfg, run_dir, start), list(events)
-    # the losses the guard saw, and the last step's metrics (a prediction a kill interrupted)
-    seen, before = guard.history_before(run_dir, start, cfg.model.n_layers) if cfg.guard.on \
-        else ({}, {})
-
-    def checkpoint(step=None, cfg=cfg, state=None):  # save (async), or wait for the saves
-        try:
-            if step is None:
-                mngr.wait_until_finished()
-            else:
-                save_checkpoint(mngr, step, state, dataclasses.asdict(cfg))
-        except Exception as e:
-            checkpoint_failed(e, run_dir)
-
-    def train_until(cfg, state, train_step, eval_step) -> tuple[dict, tuple | None]:
-        """The loop, to the end, a stop, or the guard's rollback: (the last step's metrics,
-        None), or (_, (cfg, tx, state) to go on with from the guard's rollback point)."""
-        step, prev, last = int(state["step"]), None, {}
-        watch = guard.Watch.replay(cfg.guard, seen, step, guard.watch_since(events)) \
-            if cfg.guard.on else None
-
-        def held_out(params):  # the held-out loss of params (None: the state's now)
-            return float(eval_step(state["params"] if params is None else params, eval_tokens))
-
-        def record(step_metrics):  # log a step; with the guard on, the guard's answer to it
-            last = log.record(*step_metrics)
-            if watch is None:
-                return last, None
-            loss = last["loss"] if math.isfinite(last["grad_norm"]) else math.nan
-            seen[last["step"]] = loss
-            trigger = watch.observe(last["step"], loss)
-            if trigger:
-                trigger = dataclasses.replace(trigger, max_logit=max(last["attn_logit_max"]))
-            acted = trigger and guard_action(trigger, cfg, user_cfg or cfg, events, mngr,
-                                             run_dir, mesh, log, held_out)
-            if trigger and events[-1]["action"] == "data":
-                watch.restart()  # the new level is the data's
-            return last, acted
-
-        while step < cfg.steps:
-            # batch and step: dispatched, not waited for
-            tokens = jax.make_array_from_process_local_data(batch_sharding,
-                                                            data.batch(step, rows))
-            state, metrics = train_step(state, tokens)
-            done = step + 1
-            if done % cfg.eval_every == 0 or done == cfg.steps:
-                metrics["eval_loss"] = eval_step(state["params"], eval_tokens)
-            # log: step s-1's metrics are read only now, after step s is dispatched (reading
-            # step s's would make the host wait while the device idles)
-            if prev is not None:
-                (last, acted), prev = record(prev), None
-                if acted:
-                    return last, acted
-                if log.nonfinite >= cfg.max_consecutive_nonfinite:
-                    checkpoint()
-                    print(f"stopping: {log.nonfinite} non-finite steps in a row (last at step "
-                          f"{last['step']}); parameters were left unchanged by them. Last "
-                          f"checkpoint: step {mngr.latest_step()} in {run_dir}", file=sys.stderr)
-                    log.tracker.finish()
-                    sys.exit(1)
-            prev = (step, metrics)
-            # checkpoint (the guard sees the step first), and stop when a signal asked to
-            stopping = stop.requested(step)
-            if done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping:
-                if watch is not None:
-                    (last, acted), prev = record(prev), None
-                    if acted:
-                        return last, acted
-                    watch = guard.Watch.replay(cfg.guard, seen, done, guard.watch_since(events))
-                checkpoint(done, cfg, state)
-                if watch is not None and done < cfg.steps and not stopping and (
-                        t := guard.predicted(cfg.guard, events, done, last)):
-                    return last, guard_action(t, cfg, user_cfg or cfg, events, mngr, run_dir,
-                                              mesh, log, held_out)  # escalated where it stands
-            if stopping:
-                break
-            step += 1
-        return (log.record(*prev) if prev is not None else last), None
-
+    stop, log = StopRequested(run_dir), Log(cfg, run_dir, start)
     train_step, eval_step = make_train_step(cfg, tx), make_eval_step(cfg)
-    # a prediction a kill kept from its record, made again (at a checkpoint step, not Ctrl-C's)
-    t = guard.predicted(cfg.guard, events, start, before) if cfg.guard.on and \
-        start % cfg.checkpoint_every == 0 else None
-    acted = t and guard_action(t, cfg, user_cfg or cfg, events, mngr, run_dir, mesh, log, None)
-    while True:
-        if not acted:
-            last, acted = train_until(cfg, state, train_step, eval_step)
-        if not acted:
+    hook = GuardHook(cfg, user_cfg or cfg, list(events), mngr, run_dir, mesh, log, start,
+                     lambda p: float(eval_step(state["params"] if p is None else p, eval_tokens))
+                     ) if cfg.guard.on else None
+    goto, prev, last = hook and hook.resumed(start), None, {}
+    while step < cfg.steps or goto:
+        if goto:  # the guard rolled back or escalated: go on from its point, with its changes
+            (new, tx, state), goto, prev = goto, None, None
+            data.replaced = parse_ranges(new.data.replace_batches, "replace_batches")
+            if (new.model, new.optim) != (cfg.model, cfg.optim):  # a new step function
+                train_step, eval_step = make_train_step(new, tx), make_eval_step(new)
+            cfg, step = new, int(state["step"])
+            hook.restarted(cfg, step)
+            log.nonfinite, log.since = 0, None
+            continue
+        # batch and step: dispatched, not waited for
+        tokens = jax.make_array_from_process_local_data(batch_sharding, data.batch(step, rows))
+        state, metrics = train_step(state, tokens)
+        done = step + 1
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            metrics["eval_loss"] = eval_step(state["params"], eval_tokens)
+        # log: step s-1's metrics are read only now, after step s is dispatched (reading step
+        # s's would make the host wait while the device idles); the guard judges the step
+        if prev is not None:
+            last, prev = log.record(*prev), None
+            if hook and (goto := hook.logged(last)):
+                continue
+            if log.nonfinite >= cfg.max_consecutive_nonfinite:
+                stop_nonfinite(log, last, mngr, run_dir)
+        prev = (step, metrics)
+        # checkpoint (the guard sees the step first), and stop when a signal asked to
+        stopping = stop.requested(step)
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping:
+            if hook:
+                last, prev = log.record(*prev), None
+                if goto := hook.logged(last):
+                    continue
+            save(mngr, run_dir, done, cfg, state)
+            if hook and (goto := hook.checkpointed(done, last, done == cfg.steps or stopping)):
+                continue  # escalated where it stands
+        if stopping:
             break
-        # the guard rolled back: go on from its rollback point with what it changed
-        (new_cfg, tx, state), acted = acted, None
-        data.replaced = parse_ranges(new_cfg.data.replace_batches, "replace_batches")
-        if (new_cfg.model, new_cfg.optim) != (cfg.model, cfg.optim):  # a new step function
-            train_step, eval_step = make_train_step(new_cfg, tx), make_eval_step(new_cfg)
-        cfg, at = new_cfg, int(state["step"])
-        seen = {s: x for s, x in seen.items() if at - guard.SPAN <= s < at}
-        log.nonfinite, log.since = 0, None
+        step += 1
+    if prev is not None:
+        last = log.record(*prev)
     if last and last["step"] > start:
         last["avg_tokens_per_s"] = log.average_tokens_per_s(last["step"])
-    checkpoint()
+    save(mngr, run_dir)
     if stop.signal:
         say(f"saved step {last['step'] + 1} to {run_dir}; resume with the same command")
         log.tracker.finish()
@@ -401,6 +399,27 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None, events=()
         log.file.close()
         final_report(run_dir, token_unit(cfg.data.source), log.tracker)
     return last
+
+
+def save(mngr, run_dir, step=None, cfg=None, state=None) -> None:
+    """Save a checkpoint (asynchronously), or with no step wait for the saves in flight; a
+    failed write ends the run on every process (distributed.checkpoint_failed)."""
+    try:
+        if step is None:
+            mngr.wait_until_finished()
+        else:
+            save_checkpoint(mngr, step, state, dataclasses.asdict(cfg))
+    except Exception as e:
+        checkpoint_failed(e, run_dir)
+
+
+def stop_nonfinite(log, last: dict, mngr, run_dir) -> None:
+    save(mngr, run_dir)
+    print(f"stopping: {log.nonfinite} non-finite steps in a row (last at step {last['step']}); "
+          f"parameters were left unchanged by them. Last checkpoint: step {mngr.latest_step()} "
+          f"in {run_dir}", file=sys.stderr)
+    log.tracker.finish()
+    sys.exit(1)
 
 
 @command
