@@ -33,7 +33,7 @@ from jax import P
 from jax.experimental import multihost_utils
 
 import compat
-from cli import UserError
+from cli import UserError, written_whole
 from model import ModelConfig, init_params, logical_to_spec, param_table
 
 # ---------------------------------------------------------------------------------------------
@@ -167,12 +167,12 @@ def write_config(run_dir: pathlib.Path, config: dict) -> None:
     """config.json, written whole (a temporary file renamed into place)."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = run_dir / "config.json.tmp"
-        tmp.write_text(json.dumps(config, indent=2))
-        tmp.replace(run_dir / "config.json")
     except OSError as e:
         raise UserError(f"cannot write to --run-dir {run_dir}: {e.strerror}; "
                         "choose a writable directory") from None
+    with written_whole(run_dir / "config.json", f"cannot write to --run-dir {run_dir}: choose "
+                       "a writable directory") as tmp:
+        tmp.write_text(json.dumps(config, indent=2))
 
 
 def strict_json(obj, indent: int | None = None) -> str:
@@ -374,15 +374,3 @@ def resume(run_dir: pathlib.Path, target, keep: int, resume_step: int | None = N
     return mngr, state
 
 
-def drop_torn_line(path: pathlib.Path, announce=print) -> None:
-    """Cut a last line left half-written by a crash (a host failure, a full disk), so that the
-    records appended after it stay one per line."""
-    if not path.exists():
-        return
-    with open(path, "rb+") as f:
-        tail_start = max(0, f.seek(0, os.SEEK_END) - 2**20)
-        f.seek(tail_start)
-        tail = f.read()
-        if tail and not tail.endswith(b"\n"):
-            f.truncate(tail_start + tail.rfind(b"\n") + 1)
-            announce(f"note: dropped the cut-off last line of {path} (a crash mid-write)")

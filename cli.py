@@ -13,6 +13,8 @@ import contextlib
 import functools
 import io
 import logging
+import os
+import pathlib
 import re
 import sys
 
@@ -122,16 +124,33 @@ def fmt_time(seconds: float) -> str:
 
 
 @contextlib.contextmanager
-def written_whole(path):
+def written_whole(path, fix: str = "make room (or choose another place) and run the same "
+                  "command again: nothing written before is lost"):
     """Write a file whole or not at all: yields a path beside `path` (NAME.partial.SUFFIX) to
     write, then renames it into place, so a kill leaves the old file or the new one, never half.
-    A full disk or an unwritable folder is one line; the partial file goes."""
+    A full disk or an unwritable folder is one line (ending with `fix`); the partial file goes.
+    Every file the program rewrites is written this way."""
     tmp = path.with_name(f"{path.stem}.partial{path.suffix}")
     try:
         yield tmp
         tmp.replace(path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise UserError(f"cannot write {path}: {e.strerror or e}; make room (or choose another "
-                        "place) and run the same command again: nothing written before is lost"
-                        ) from None
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise UserError(f"cannot write {path}: {e.strerror or e}; {fix}") from None
+
+
+def drop_torn_line(path: pathlib.Path, announce=print) -> None:
+    """Cut a last line left half-written by a crash (a host failure, a full disk), so that the
+    records appended after it stay one per line."""
+    if not path.exists():
+        return
+    with open(path, "rb+") as f:
+        tail_start = max(0, f.seek(0, os.SEEK_END) - 2**20)
+        f.seek(tail_start)
+        tail = f.read()
+        if tail and not tail.endswith(b"\n"):
+            f.truncate(tail_start + tail.rfind(b"\n") + 1)
+            announce(f"note: dropped the cut-off last line of {path} (a crash mid-write)")

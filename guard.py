@@ -52,6 +52,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from cli import drop_torn_line, written_whole
 from report import ShiftRule, SpikeRule, acted, read_metrics
 
 ESCALATIONS = ("none", "qk-norm", "qk-clip", "stop")
@@ -190,10 +191,7 @@ class Watch:
 def record(run_dir: pathlib.Path, event: dict) -> None:
     """Append one event and make it durable before the run acts on it."""
     path = pathlib.Path(run_dir) / "events.jsonl"
-    if path.exists():  # a torn last line (a kill mid-write) is cut first
-        text = path.read_text()
-        if text and not text.endswith("\n"):
-            path.write_text(text[:text.rfind("\n") + 1])
+    drop_torn_line(path, announce=lambda _: None)  # a kill mid-write's last line goes first
     with open(path, "a") as f:
         f.write(json.dumps(event) + "\n")
         f.flush()
@@ -238,9 +236,8 @@ def set_aside(run_dir: pathlib.Path, kept: list[dict], later: list[dict],
     path = pathlib.Path(run_dir) / "events.jsonl"
     aside = path.with_name(f"events.superseded-{stamp}.jsonl")
     aside.write_text("".join(json.dumps(e) + "\n" for e in later))
-    tmp = path.with_suffix(".jsonl.partial")
-    tmp.write_text("".join(json.dumps(e) + "\n" for e in kept))
-    tmp.replace(path)
+    with written_whole(path) as tmp:
+        tmp.write_text("".join(json.dumps(e) + "\n" for e in kept))
     return aside
 
 

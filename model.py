@@ -52,46 +52,35 @@ class ModelConfig:
     embed_scale: bool = False
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        def check(names, ok, what):  # as OptimConfig's: written so that NaN fails every test
+            for name in names:
+                if not ok(getattr(self, name)):
+                    raise ValueError(f"model.{name} must be {what}, got {getattr(self, name)}")
+        check(("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+               "attention_block"), lambda x: x > 0, "positive")
+        check(("rope_theta", "norm_eps", "init_std"), lambda x: 0 < x < math.inf,
+              "a positive finite number")
+        check(("attn_softcap", "z_loss_weight"), lambda x: 0 <= x < math.inf, ">= 0 and finite")
+        check(("attention",), lambda x: x in A.FORMS, f"one of {', '.join(A.FORMS)}")
+        check(("dtype",), lambda x: x in ("float32", "bfloat16", "float16"),
+              "float32, bfloat16 or float16")
+        # settings that must agree with one another
         if self.d_model % self.n_heads:
-            raise ValueError(
-                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}: "
-                "pick n_heads that divides d_model"
-            )
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by "
+                             f"model.n_heads={self.n_heads}: pick n_heads that divides d_model")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"model.n_heads={self.n_heads} is not a multiple of "
-                f"model.n_kv_heads={self.n_kv_heads}: pick n_kv_heads that divides n_heads"
-            )
-        if self.attention not in A.FORMS:
-            raise ValueError(f"model.attention must be one of {', '.join(A.FORMS)}, "
-                             f"got {self.attention}")
-        if self.attention == "cudnn" and self.dtype == "float32":
-            raise ValueError("model.attention cudnn needs --model.dtype bfloat16 or float16 "
-                             "(cuDNN's fused attention has no float32 kernel)")
-        if not 0 <= self.attn_softcap < math.inf:
-            raise ValueError(f"model.attn_softcap must be >= 0 and finite, got "
-                             f"{self.attn_softcap}")
-        if self.attn_softcap and self.attention == "cudnn":
-            raise ValueError("model.attention cudnn has no soft-cap (the library call lacks "
-                             "it): use --model.attention blockwise with --model.attn-softcap")
-        if self.attention_block <= 0:
-            raise ValueError(f"model.attention_block must be positive, got "
-                             f"{self.attention_block}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"model.dtype must be float32, bfloat16 or float16, got {self.dtype}")
+            raise ValueError(f"model.n_heads={self.n_heads} is not a multiple of "
+                             f"model.n_kv_heads={self.n_kv_heads}: pick n_kv_heads that divides "
+                             "n_heads")
         if self.head_dim % 2:
             raise ValueError(f"model.d_model / model.n_heads = {self.head_dim} is odd: RoPE "
                              "rotates pairs of dimensions, so the head dimension must be even")
-        for name in ("rope_theta", "norm_eps", "init_std"):
-            if not 0 < getattr(self, name) < math.inf:  # also refuses NaN
-                raise ValueError(f"model.{name} must be a positive finite number, "
-                                 f"got {getattr(self, name)}")
-        if not 0 <= self.z_loss_weight < math.inf:
-            raise ValueError(f"model.z_loss_weight must be >= 0 and finite, "
-                             f"got {self.z_loss_weight}")
+        if self.attention == "cudnn" and self.dtype == "float32":
+            raise ValueError("model.attention cudnn needs --model.dtype bfloat16 or float16 "
+                             "(cuDNN's fused attention has no float32 kernel)")
+        if self.attn_softcap and self.attention == "cudnn":
+            raise ValueError("model.attention cudnn has no soft-cap (the library call lacks "
+                             "it): use --model.attention blockwise with --model.attn-softcap")
 
     @property
     def head_dim(self) -> int:

@@ -30,7 +30,6 @@ from checkpoint import (
     abstract_state,
     check_run_dir,
     checkpoint_manager,
-    drop_torn_line,
     fresh_state,
     insert_qk_norm,
     per_device_bytes,
@@ -42,7 +41,7 @@ from checkpoint import (
     strict_json,
     write_config,
 )
-from cli import UserError, command, fmt_time
+from cli import UserError, command, drop_torn_line, fmt_time
 from config import (
     TrainConfig,
     check_escalation,

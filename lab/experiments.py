@@ -52,7 +52,7 @@ from lab.figures import (
     plot_widths,
     plot_zloss,
 )
-from lab.harness import load, train_members
+from lab.harness import layer_max, load, read_curve, train_members
 from lab.rows import (
     BY_NAME,
     EVIDENCE_GROUPS,
@@ -63,6 +63,7 @@ from lab.rows import (
     REWARMUP,
     STORY,
     Experiment,
+    Group,
     twin,
 )
 from lab.stats import (
@@ -250,10 +251,37 @@ RERUN_KEYS = ("level_shift_episodes", "instability_episodes", "episodes", "unrec
               "max_logit")
 
 
-def rerun(name: str, seed: int, log=print) -> list[tuple[str, float, tuple, tuple, bool, bool]]:
-    """Train one stored member again (group `name`, `seed`; on this machine, alone in its
-    compiled step) and judge it by the same rules: per figure (value, the row's 95% interval of
-    the mean, the seeds' range, inside the interval, inside the range)."""
+def first_parting(stored: np.ndarray, again: np.ndarray) -> int | None:
+    """The first step at which two float32 loss curves differ in a bit (None: equal over the
+    shorter of the two; NaN equals NaN)."""
+    n = min(len(stored), len(again))
+    x, y = (np.asarray(c[:n], np.float32).view(np.uint32) for c in (stored, again))
+    diff = np.nonzero(x != y)[0]
+    return int(diff[0]) if len(diff) else None
+
+
+def rerun_member(g: Group, seed: int, steps: int | None = None, log=print) -> tuple[dict, dict]:
+    """Train `g`'s members again as the row trained them (every seed in one vmapped step, on
+    this machine) for `steps` steps (default all; the harness's LR is constant after warmup,
+    so a shorter probe takes the same steps), and set `seed`'s loss against its stored curve:
+    ({"parts_at": the first step that differs in a bit or None, "compared": steps}, the
+    member's arrays)."""
+    cfg = g.config() if steps is None else dataclasses.replace(g.config(), steps=steps)
+    a = train_members(cfg, g.seeds, log=log)
+    i = g.seeds.index(seed)
+    stored = read_curve(g.name, f"seed{seed}")["loss"]
+    member = {k: v if k in ("eval_step", "first_step", "seconds", "chunk_seconds") else v[i]
+              for k, v in a.items()}
+    return ({"parts_at": first_parting(stored, member["loss"]),
+             "compared": min(len(stored), len(member["loss"]))}, member)
+
+
+def rerun(name: str, seed: int, steps: int | None = None, log=print) -> dict:
+    """One stored member of an evidence row trained again the way its row was (rerun_member),
+    and, over the whole run, judged by the same rules against a prediction for one new seed:
+    the stored seeds' range (for a new draw from the same seeds' distribution, the chance to
+    fall inside the range of n is (n - 1) / (n + 1): 7 in 9 for 8 seeds); a 0/1 figure
+    ("unrecovered") as the count of seeds with it."""
     g = next((x for x in EVIDENCE_GROUPS if x.name == name), None)
     record = load()
     if g is None or name not in record["groups"]:
@@ -262,14 +290,23 @@ def rerun(name: str, seed: int, log=print) -> list[tuple[str, float, tuple, tupl
     if g.fork:
         raise UserError(f"--rerun {name}: a mid-run row starts from its source's kept state; "
                         f"rerun {g.fork} instead")
+    if g.guard:
+        raise UserError(f"--rerun {name}: a guarded row's seeds are train.py runs (its loop's "
+                        f"rollbacks and escalations), not the vmapped step; rerun seed {seed} "
+                        f"with train.py, as runs/search/{name}/seed{seed}/config.json says")
     if seed not in g.seeds:
         raise UserError(f"--rerun {name} --seed {seed}: the row's seeds are {list(g.seeds)}")
-    a = train_members(g.config(), (seed,), log=log)
-    n = len(a["loss"][0])
-    curve = {"step": np.arange(n), "loss": a["loss"][0].astype(np.float64),
-             "update_norm": a["update_norm"][0].astype(np.float64),
-             "attn_logit_max": a["attn_logit_max"][0], "eval_step": a["eval_step"],
-             "eval_loss": a["eval_loss"][0], "first_step": 0}
+    if steps is not None and not 0 < steps <= g.steps:
+        raise UserError(f"--rerun-steps must be in 1..{g.steps}, got {steps}")
+    bits, a = rerun_member(g, seed, steps, log)
+    out = {"bits": bits, "figures": []}
+    if steps is not None and steps < g.steps:
+        return out  # a probe: its figures are not the run's
+    n = len(a["loss"])
+    curve = {"step": np.arange(n), "loss": a["loss"].astype(np.float64),
+             "update_norm": a["update_norm"].astype(np.float64),
+             "attn_logit_max": layer_max(a["attn_logit_max"]), "eval_step": a["eval_step"],
+             "eval_loss": a["eval_loss"], "first_step": 0}
     p = judged(g, seed, "story8", "story8-qk", curve)
     k = 1000 / p["steps"]
     value = {"level_shift_episodes": k * sum(e.level_shift for e in p["episodes"]),
@@ -278,12 +315,10 @@ def rerun(name: str, seed: int, log=print) -> list[tuple[str, float, tuple, tupl
              "unrecovered": float(any(not ok for _, ok in p["recoveries"])),
              "eval": p["eval"], "max_logit": p["max_logit"]}
     row = next(r for r in evidence_rows(record) if r["group"] == name)
-    out = []
     for key in RERUN_KEYS:
-        lo, hi = row[key]["ci"]
         vals = row[key]["values"]
-        out.append((key, value[key], (lo, hi), (min(vals), max(vals)), lo <= value[key] <= hi,
-                    min(vals) <= value[key] <= max(vals)))
+        out["figures"].append((key, value[key], (min(vals), max(vals)),
+                               min(vals) <= value[key] <= max(vals), sum(vals)))
     return out
 
 
@@ -447,6 +482,7 @@ class Args:
     plot: bool = False  # with a table flag: its figure, and the table into results/README.md
     rerun: str = ""  # train one stored member of this evidence row again (with --seed)
     seed: int = 0  # the seed --rerun trains again
+    rerun_steps: int | None = None  # --rerun: only this many steps (a probe of the bits)
     slim: bool = False  # rewrite the stored curves to what they keep now (harness.curve_arrays)
 
 
@@ -454,12 +490,25 @@ def harness_tables(args: Args) -> None:
     """--levers, --sweep, --evidence (with --plot: figures and results/README.md), --rerun."""
     record = load()
     if args.rerun:
-        print(f"rerunning {args.rerun} seed {args.seed} on {machine()['cpu']} (the row ran on "
-              f"{record['groups'].get(args.rerun, {}).get('machine', {}).get('cpu', '?')})")
-        for key, v, ci, span, in_ci, in_span in rerun(args.rerun, args.seed):
-            print(f"  {key:<22} {v:10.3f}   row mean's 95% interval [{ci[0]:.3f}, {ci[1]:.3f}]"
-                  f" {'inside' if in_ci else 'OUTSIDE'}; seeds' range [{span[0]:.3f}, "
-                  f"{span[1]:.3f}] {'inside' if in_span else 'OUTSIDE'}")
+        ran = record["groups"].get(args.rerun, {}).get("machine", {})
+        now = machine()
+        print(f"rerunning {args.rerun} (its seeds vmapped in one step, as the row ran) on "
+              f"{now['cpu']}, {len(now['affinity'])} core(s) {now['affinity']}; the row ran on "
+              f"{ran.get('cpu', '?')}, {ran.get('cores', '?')} core(s)"
+              + (f" {ran['affinity']}" if "affinity" in ran else " (its pinning not recorded)")
+              + ". It repeats bitwise only on the same CPU model with as many cores in the "
+              "process (taskset -c 0 for a row run on one pinned core).")
+        out = rerun(args.rerun, args.seed, args.rerun_steps)
+        at, n = out["bits"]["parts_at"], out["bits"]["compared"]
+        print(f"  seed {args.seed}: " + (f"bitwise the stored curve over all {n} steps"
+                                         if at is None else
+                                         f"parts from the stored curve at step {at} of {n}"))
+        for key, v, span, inside, count in out["figures"]:
+            print(f"  {key:<22} {v:10.3f}   " + (
+                f"{count:.0f} of {len(record['groups'][args.rerun]['seeds'])} stored seeds "
+                "had it" if key == "unrecovered" else
+                f"the stored seeds' range [{span[0]:.3f}, {span[1]:.3f}] "
+                f"{'inside' if inside else 'OUTSIDE'}"))
         return
     evidence = evidence_rows(record) if args.evidence else []
     if evidence and args.plot:

@@ -13,7 +13,7 @@ import pathlib
 import numpy as np
 
 from checkpoint import strict_json
-from cli import UserError
+from cli import UserError, written_whole
 from lab import harness
 from lab.harness import read_curve, seed_curve
 from lab.rows import (
@@ -701,7 +701,7 @@ def write_results_json(part: dict) -> None:
     path = RESULTS / "results.json"
     RESULTS.mkdir(exist_ok=True)
     out = json.loads(path.read_text()) if path.exists() else {}
-    path.with_suffix(".partial").write_text(strict_json(out | part, indent=1) + "\n")
-    path.with_suffix(".partial").replace(path)
+    with written_whole(path) as tmp:
+        tmp.write_text(strict_json(out | part, indent=1) + "\n")
 
 

@@ -289,6 +289,36 @@ def test_an_lr_killed_between_evaluations_goes_on_from_the_last_one_bitwise(tmp_
     assert not (tmp_path / "lr0.01.progress.npz").exists() and (tmp_path / "lr0.01.npz").exists()
 
 
+def test_a_rerun_trains_the_rows_members_together_and_finds_where_it_parts(tmp_path,
+                                                                          monkeypatch):
+    """--rerun trains a stored member the way its row was trained (every seed in one vmapped
+    step): on the same machine it is the stored curve bit for bit; where the stored curve holds
+    another value at step 7 the rerun says it parts there. A guarded row is refused in one
+    line (its seeds are train.py runs), a probe longer than the row too."""
+    monkeypatch.setattr(H, "SEED_CURVES", tmp_path)
+    g = RW.Group("probe", d_model=32, n_layers=1, steps=10, warmup_steps=4, lrs=(1e-2,),
+                 seeds=(0, 1), batch_size=8, seq_len=32)
+    a = H.train_members(g.config(), g.seeds, eval_every=5, log=lambda s: None)
+    (tmp_path / "probe").mkdir()
+    np.savez(tmp_path / "probe" / "seed1.npz", loss=a["loss"][1])
+    bits, member = EX.rerun_member(g, 1, log=lambda s: None)
+    assert bits == {"parts_at": None, "compared": 10}
+    np.testing.assert_array_equal(member["loss"], a["loss"][1])
+    moved = a["loss"][1].copy()
+    moved[7] = np.nextafter(moved[7], np.float32(np.inf))  # one float32 ulp
+    np.savez(tmp_path / "probe" / "seed1.npz", loss=moved)
+    assert EX.rerun_member(g, 1, steps=9, log=lambda s: None)[0] == {"parts_at": 7,
+                                                                     "compared": 9}
+    assert EX.first_parting(np.array([1.0, np.nan]), np.array([1.0, np.nan])) is None
+    monkeypatch.setattr(H, "OUT", tmp_path / "search.json")
+    (tmp_path / "search.json").write_text(json.dumps({"groups": {
+        g.name: {"members": []} for g in RW.EVIDENCE_GROUPS}}))
+    with pytest.raises(EX.UserError, match="guarded row's seeds are train.py runs"):
+        EX.rerun("story8-guard-predict", 5)
+    with pytest.raises(EX.UserError, match="--rerun-steps must be in 1..4000"):
+        EX.rerun("story8", 5, steps=5000)
+
+
 def test_a_guarded_group_is_its_train_py_runs_and_a_second_run_reads_them(tmp_path,
                                                                           monkeypatch):
     monkeypatch.setattr(H, "SNAPSHOTS", tmp_path)
