@@ -264,16 +264,17 @@ def rerun_member(g: Group, seed: int, steps: int | None = None, log=print) -> tu
     """Train `g`'s members again as the row trained them (every seed in one vmapped step, on
     this machine) for `steps` steps (default all; the harness's LR is constant after warmup,
     so a shorter probe takes the same steps), and set `seed`'s loss against its stored curve:
-    ({"parts_at": the first step that differs in a bit or None, "compared": steps}, the
-    member's arrays)."""
+    ({"parts_at": the first step that differs in a bit or None, "compared": steps, "others":
+    the other seeds' parts_at}, the member's arrays)."""
     cfg = g.config() if steps is None else dataclasses.replace(g.config(), steps=steps)
     a = train_members(cfg, g.seeds, log=log)
-    i = g.seeds.index(seed)
-    stored = read_curve(g.name, f"seed{seed}")["loss"]
-    member = {k: v if k in ("eval_step", "first_step", "seconds", "chunk_seconds") else v[i]
-              for k, v in a.items()}
-    return ({"parts_at": first_parting(stored, member["loss"]),
-             "compared": min(len(stored), len(member["loss"]))}, member)
+    member = {k: v if k in ("eval_step", "first_step", "seconds", "chunk_seconds")
+              else v[g.seeds.index(seed)] for k, v in a.items()}
+    stored = {s: read_curve(g.name, f"seed{s}")["loss"] for s in g.seeds}
+    return ({"parts_at": first_parting(stored[seed], member["loss"]),
+             "compared": min(len(stored[seed]), len(member["loss"])),
+             "others": {s: first_parting(stored[s], a["loss"][i])
+                        for i, s in enumerate(g.seeds) if s != seed}}, member)
 
 
 def rerun(name: str, seed: int, steps: int | None = None, log=print) -> dict:
@@ -503,6 +504,9 @@ def harness_tables(args: Args) -> None:
         print(f"  seed {args.seed}: " + (f"bitwise the stored curve over all {n} steps"
                                          if at is None else
                                          f"parts from the stored curve at step {at} of {n}"))
+        print("  the row's other seeds: " + ", ".join(
+            f"{s} {'bitwise' if x is None else f'parts at {x}'}"
+            for s, x in out["bits"]["others"].items()))
         for key, v, span, inside, count in out["figures"]:
             print(f"  {key:<22} {v:10.3f}   " + (
                 f"{count:.0f} of {len(record['groups'][args.rerun]['seeds'])} stored seeds "

@@ -300,15 +300,16 @@ def test_a_rerun_trains_the_rows_members_together_and_finds_where_it_parts(tmp_p
                  seeds=(0, 1), batch_size=8, seq_len=32)
     a = H.train_members(g.config(), g.seeds, eval_every=5, log=lambda s: None)
     (tmp_path / "probe").mkdir()
-    np.savez(tmp_path / "probe" / "seed1.npz", loss=a["loss"][1])
+    for s in g.seeds:
+        np.savez(tmp_path / "probe" / f"seed{s}.npz", loss=a["loss"][s])
     bits, member = EX.rerun_member(g, 1, log=lambda s: None)
-    assert bits == {"parts_at": None, "compared": 10}
+    assert bits == {"parts_at": None, "compared": 10, "others": {0: None}}
     np.testing.assert_array_equal(member["loss"], a["loss"][1])
     moved = a["loss"][1].copy()
     moved[7] = np.nextafter(moved[7], np.float32(np.inf))  # one float32 ulp
     np.savez(tmp_path / "probe" / "seed1.npz", loss=moved)
-    assert EX.rerun_member(g, 1, steps=9, log=lambda s: None)[0] == {"parts_at": 7,
-                                                                     "compared": 9}
+    assert EX.rerun_member(g, 1, steps=9, log=lambda s: None)[0] == {
+        "parts_at": 7, "compared": 9, "others": {0: None}}
     assert EX.first_parting(np.array([1.0, np.nan]), np.array([1.0, np.nan])) is None
     monkeypatch.setattr(H, "OUT", tmp_path / "search.json")
     (tmp_path / "search.json").write_text(json.dumps({"groups": {
