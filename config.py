@@ -71,6 +71,9 @@ class TrainConfig:
         if self.optim.qk_clip > 0 and self.model.qk_norm:
             raise ValueError("--optim.qk-clip rescales the q/k weights, whose scale QK-Norm "
                              "normalises away: use one or the other")
+        if self.model.param == "mup" and self.optim.optimizer == "muon":
+            raise ValueError("--model.param mup scales Adam's LR per parameter (MuAdam); Muon "
+                             "scales its own updates: use --optim.optimizer adamw with muP")
         if self.mesh.data <= 0 or self.mesh.model <= 0:
             raise ValueError("--mesh.data and --mesh.model must be positive")
 

@@ -50,6 +50,11 @@ class ModelConfig:
     # Scaled Embed (Takase et al. 2312.16903, "Spike No More"): the token embeddings times
     # sqrt(d_model), so that the residual stream starts near std 1 instead of init_std.
     embed_scale: bool = False
+    # The parametrisation: "standard" (every weight N(0, init_std), one LR), or "mup" (Yang et
+    # al., Tensor Programs V, 2203.03466, as microsoft/mup does it for Adam): this model is
+    # compared with itself at `mup_base_width` (mup_scales), and equals the standard model there.
+    param: str = "standard"
+    mup_base_width: int = 32
 
     def __post_init__(self):
         def check(names, ok, what):  # as OptimConfig's: written so that NaN fails every test
@@ -64,6 +69,8 @@ class ModelConfig:
         check(("attention",), lambda x: x in A.FORMS, f"one of {', '.join(A.FORMS)}")
         check(("dtype",), lambda x: x in ("float32", "bfloat16", "float16"),
               "float32, bfloat16 or float16")
+        check(("param",), lambda x: x in ("standard", "mup"), "standard or mup")
+        check(("mup_base_width",), lambda x: x > 0, "positive")
         # settings that must agree with one another
         if self.d_model % self.n_heads:
             raise ValueError(f"model.d_model={self.d_model} is not divisible by "
@@ -81,6 +88,14 @@ class ModelConfig:
         if self.attn_softcap and self.attention == "cudnn":
             raise ValueError("model.attention cudnn has no soft-cap (the library call lacks "
                              "it): use --model.attention blockwise with --model.attn-softcap")
+        if self.param == "mup":
+            width_config(self, self.mup_base_width)  # the base exists (raises if it does not)
+
+    @property
+    def output_mult(self) -> float:
+        """What the logits' input is multiplied by: muP's readout, 1 / (d_model's width
+        multiplier) (MuReadout's output_mult / width_mult, output_mult 1); 1 if standard."""
+        return self.mup_base_width / self.d_model if self.param == "mup" else 1.0
 
     @property
     def head_dim(self) -> int:
@@ -137,6 +152,59 @@ def param_table(cfg: ModelConfig) -> dict[str, ParamSpec]:
         table["layers/q_norm"] = ParamSpec((L, H), ("layers", "head_dim"), _ones, False)
         table["layers/k_norm"] = ParamSpec((L, H), ("layers", "head_dim"), _ones, False)
     return table
+
+
+def width_config(cfg: ModelConfig, d_model: int) -> ModelConfig:
+    """The same model at another width, the standard parametrisation: d_ff, the query and KV
+    heads in proportion to d_model, the head dimension kept (the widths rows' scaling)."""
+    def scaled(n: int, what: str) -> int:
+        if (n * d_model) % cfg.d_model:
+            raise ValueError(f"model.mup_base_width {d_model}: {what} {n} at d_model "
+                             f"{cfg.d_model} does not scale to a whole number; pick a base "
+                             "width that divides it")
+        return n * d_model // cfg.d_model
+    return dataclasses.replace(
+        cfg, param="standard", d_model=d_model, d_ff=round(cfg.d_ff * d_model / cfg.d_model),
+        n_heads=scaled(cfg.n_heads, "n_heads"), n_kv_heads=scaled(cfg.n_kv_heads, "n_kv_heads"))
+
+
+def mup_scales(cfg: ModelConfig) -> dict[str, tuple[float, float]]:
+    """muP for Adam, from the parameter table, as microsoft/mup derives it: a dimension is
+    "infinite" where the base model (mup_base_width) and a delta model (twice as wide) differ;
+    a weight with an infinite dimension both in its fan-in and in its fan-out is matrix-like
+    (MuAdam: `ninf() == 2`), with width multiplier m = its fan-in over the base's: its init std
+    times m^-1/2 (mup.init's constant-std init) and its Adam LR times 1/m (MuAdam's lr /=
+    width_mult; weight decay, applied after, keeps lr x wd as MuAdamW does). The rest (the
+    embedding, the readout, the norms' scales) is vector-like: as the standard model, the
+    readout's input times output_mult instead (MuReadout). The attention scale: muP's 1/H
+    (with mup's compatibility factor at the base, sqrt(H_base) / H) equals 1/sqrt(H) here,
+    since the head dimension is kept across widths. {name: (init multiplier, LR multiplier)};
+    all 1 for the standard parametrisation."""
+    table = param_table(cfg)
+    if cfg.param != "mup":
+        return {name: (1.0, 1.0) for name in table}
+    base, delta = (param_table(width_config(cfg, w))
+                   for w in (cfg.mup_base_width, 2 * cfg.mup_base_width))
+    out = {}
+    for name, spec in table.items():
+        inf = {d for d, a in enumerate(spec.axes)
+               if a != "layers" and base[name].shape[d] != delta[name].shape[d]}
+        fan_out = {d for d, a in enumerate(spec.axes) if a != "layers"} - set(spec.fan_in)
+        if spec.fan_in and inf & set(spec.fan_in) and inf & fan_out:
+            m = (math.prod(spec.shape[d] for d in spec.fan_in)
+                 / math.prod(base[name].shape[d] for d in spec.fan_in))
+            out[name] = (m ** -0.5, 1 / m)
+        else:
+            out[name] = (1.0, 1.0)
+    return out
+
+
+def lr_multipliers(cfg: ModelConfig) -> dict | None:
+    """The Adam LR multiplier of every parameter (a params-shaped pytree), None if all are 1."""
+    scales = mup_scales(cfg)
+    if all(lr == 1.0 for _, lr in scales.values()):
+        return None
+    return _nest({name: lr for name, (_, lr) in scales.items()})
 
 
 # Logical axis -> mesh axis, for parameters and activations alike (jax-llm-examples'
@@ -201,7 +269,7 @@ def matrix_dims(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[int,
 def optimizer_layout(cfg: ModelConfig) -> dict:
     """What optim.make_optimizer reads of the model, all from the table."""
     return {"decay_mask": decay_mask(cfg), "matrix_dims": matrix_dims(cfg),
-            "head_axes": head_axes(cfg)}
+            "head_axes": head_axes(cfg), "lr_mults": lr_multipliers(cfg)}
 
 
 def head_axes(cfg: ModelConfig) -> dict[str, int]:
@@ -214,10 +282,11 @@ def head_axes(cfg: ModelConfig) -> dict[str, int]:
 def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
     """Fresh parameters. Each is drawn from its own key folded from its name, so adding a
     parameter (qk_norm) leaves every other parameter's initial value unchanged."""
-    flat = {}
+    flat, scales = {}, mup_scales(cfg)
     for name, spec in param_table(cfg).items():
         leaf_key = jax.random.fold_in(key, _name_hash(name))
-        flat[name] = spec.init(leaf_key, spec.shape)
+        x = spec.init(leaf_key, spec.shape)
+        flat[name] = x if scales[name][0] == 1.0 else x * scales[name][0]  # muP: std x m^-1/2
     return _nest(flat)
 
 
@@ -333,6 +402,11 @@ def scaled_embedding(x_BTD, cfg: ModelConfig):
     return x_BTD * math.sqrt(cfg.d_model) if cfg.embed_scale else x_BTD
 
 
+def readout_input(x_BTD, cfg: ModelConfig):
+    """The final normed state as the readout takes it: times output_mult under muP."""
+    return x_BTD * cfg.output_mult if cfg.output_mult != 1.0 else x_BTD
+
+
 def forward(params: dict, tokens_BT, cfg: ModelConfig, head_stats: bool = False):
     """Logits [B, T, V] (float32) and per-layer statistics {"attn_logit_max": [L]} (with
     `head_stats` also "attn_logit_max_per_head": [L, N])."""
@@ -352,7 +426,7 @@ def forward(params: dict, tokens_BT, cfg: ModelConfig, head_stats: bool = False)
     x_BTD, stats_L = jax.lax.scan(block, x_BTD, params["layers"],
                                   unroll=1 if cfg.scan_layers else cfg.n_layers)
     x_BTD = rms_norm(x_BTD, top["final_norm"], cfg.norm_eps)
-    logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, top["head"],
+    logits_BTV = jnp.einsum("btd,dv->btv", readout_input(x_BTD, cfg), top["head"],
                             out_sharding=shard("batch", "seq", "act_vocab"))
     return logits_BTV.astype(jnp.float32), stats_L
 
@@ -389,7 +463,7 @@ def forward_cached(params: dict, tokens_BT, cache: dict, cfg: ModelConfig):
                                                                                 v_cache_BSKH)
 
     x_BTD, (k, v) = jax.lax.scan(block, x_BTD, (params["layers"], cache["k"], cache["v"]))
-    logits_BTV = rms_norm(x_BTD, top["final_norm"], cfg.norm_eps) @ top["head"]
+    logits_BTV = readout_input(rms_norm(x_BTD, top["final_norm"], cfg.norm_eps), cfg) @ top["head"]
     return logits_BTV.astype(jnp.float32), {"k": k, "v": v, "pos": pos + tokens_BT.shape[1]}
 
 

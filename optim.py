@@ -421,9 +421,11 @@ def is_stacked(path) -> bool:
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int, decay_mask, matrix_dims=None,
-                   head_axes=None) -> optax.GradientTransformationExtraArgs:
+                   head_axes=None, lr_mults=None) -> optax.GradientTransformationExtraArgs:
     """The optimizer of `cfg`. The model's layout comes from its parameter table
-    (model.decay_mask, model.matrix_dims for Muon, model.head_axes for QK-Clip)."""
+    (model.decay_mask, model.matrix_dims for Muon, model.head_axes for QK-Clip,
+    model.lr_multipliers for muP: Adam's direction times each parameter's multiplier, before
+    weight decay, so that skip-step, clipping and the schedule act as they do without it)."""
     schedule = lr_schedule(cfg, total_steps)
     if cfg.optimizer == "adamw":
         direction = optax.scale_by_adam(cfg.b1, cfg.b2, cfg.eps)
@@ -441,6 +443,7 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, decay_mask, matrix_dims=N
     inner = optax.chain(
         grad_clip,
         direction,
+        *([scale_per_leaf(lr_mults)] if lr_mults is not None else []),
         optax.add_decayed_weights(cfg.weight_decay, decay_mask),
         *update_clip,
     )
@@ -448,6 +451,14 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, decay_mask, matrix_dims=N
         inner = skip_step(inner, cfg.skip_window, cfg.skip_sigma, patience=cfg.skip_patience)
     tx = optax.chain(refuse_nonfinite(inner), scale_by_schedule_at_step(schedule))
     return qk_clip(tx, cfg.qk_clip, cfg.qk_clip_start, head_axes) if cfg.qk_clip > 0 else tx
+
+
+def scale_per_leaf(mults) -> optax.GradientTransformation:
+    """Each update times its parameter's multiplier (a pytree of floats shaped as the
+    params): muP's per-parameter Adam LR (MuAdam's param groups), inside the chain."""
+    def update(updates, state, params=None):
+        return jax.tree.map(lambda u, m: u * jnp.asarray(m, u.dtype), updates, mults), state
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def qk_clip(inner: optax.GradientTransformation, tau: float, start: int = 0,

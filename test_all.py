@@ -180,6 +180,70 @@ def test_scaled_embed_is_the_embedding_table_times_sqrt_d_in_training_and_decodi
     np.testing.assert_allclose(np.asarray(cached), scaled, atol=1e-5)
 
 
+def mup_rules_restated(shapes: dict, fan_in: dict) -> dict:
+    """microsoft/mup's rules for Adam, restated in NumPy on torch's 2-D view of each weight
+    ([fan_out, fan_in]): `shapes` {name: (base, delta, target) shapes without the layer axis},
+    `fan_in` {name: the input dims}. A dim is infinite where base and delta differ
+    (set_base_shapes); the width multiplier is the fan-in's if infinite, else the fan-out's
+    (InfShape.main: the last infinite dim of [out, in]); ninf == 2: init std x m^-1/2
+    (mup.init), Adam LR / m (MuAdam); else both unchanged. {name: (init, lr)}."""
+    out = {}
+    for name, (b, d, t) in shapes.items():
+        ins = fan_in[name]
+        outs = tuple(i for i in range(len(t)) if i not in ins)
+        view = [tuple(np.prod([x[i] for i in g]) for x in (b, d, t))
+                for g in (outs, ins) if g]  # torch's [out, in]
+        inf = [bb != dd for bb, dd, _ in view]
+        main = max((k for k in range(len(view)) if inf[k]), default=None)
+        m = view[main][2] / view[main][0] if main is not None else 1.0
+        out[name] = (m ** -0.5, 1 / m) if sum(inf) == 2 else (1.0, 1.0)
+    return out
+
+
+def test_mup_scales_each_parameter_as_mup_does_and_the_step_applies_them(tiny_tokens):
+    """--model.param mup (Tensor Programs V; microsoft/mup): at d_model 128 against base 32
+    each parameter's init and Adam LR multiplier equal mup's rules restated in NumPy; the init
+    drawn has that std; one Adam update of a hidden matrix is the standard one times its LR
+    multiplier (what is applied, not what is logged); the readout's input is times base/width;
+    at the base width muP is the standard model."""
+    cfg = dataclasses.replace(TINY.model, d_model=128, n_heads=8, n_kv_heads=4, d_ff=344,
+                              param="mup", mup_base_width=32)
+    tables = [M.param_table(c) for c in (M.width_config(cfg, 32), M.width_config(cfg, 64), cfg)]
+    drop = {n: [i for i, a in enumerate(s.axes) if a != "layers"]
+            for n, s in tables[2].items()}
+    shapes = {n: tuple(tuple(t[n].shape[i] for i in drop[n]) for t in tables) for n in drop}
+    fan_in = {n: tuple(drop[n].index(i) for i in s.fan_in) for n, s in tables[2].items()}
+    want = mup_rules_restated(shapes, fan_in)
+    assert M.mup_scales(cfg).keys() == want.keys()
+    for name, (init, lr) in M.mup_scales(cfg).items():
+        assert (init, lr) == pytest.approx(want[name]), name
+    assert M.mup_scales(cfg)["layers/wq"] == (0.5, 0.25)  # fan-in 128 against 32
+    assert M.mup_scales(cfg)["head"] == (1.0, 1.0) and cfg.output_mult == 0.25  # MuReadout
+    params = M.init_params(cfg, jax.random.key(0))
+    assert np.std(params["layers"]["w_up"]) == pytest.approx(0.02 * 0.5, rel=0.03)
+    assert np.std(params["embed"]) == pytest.approx(0.02, rel=0.03)
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 0.01), params)
+    layout = M.optimizer_layout(cfg)
+    optim = dataclasses.replace(TINY.optim, weight_decay=0.0, max_grad_norm=0.0,
+                                warmup_steps=0)
+    mup_tx = O.make_optimizer(optim, 10, **layout)
+    sp_tx = O.make_optimizer(optim, 10, **{**layout, "lr_mults": None})
+    extra = dict(loss=1.0, step=0, attn_logit_max_per_head=None)
+    u_mup, _ = mup_tx.update(grads, mup_tx.init(params), params, **extra)
+    u_sp, _ = sp_tx.update(grads, sp_tx.init(params), params, **extra)
+    np.testing.assert_allclose(u_mup["layers"]["wo"], 0.25 * u_sp["layers"]["wo"], rtol=1e-6)
+    np.testing.assert_array_equal(u_mup["embed"], u_sp["embed"])
+    tokens = tiny_tokens[:2, :8]
+    sp = dataclasses.replace(cfg, param="standard")
+    with jax.set_mesh(mesh_of(1, 1)):
+        a = M.forward(params, tokens, cfg)[0]
+        b = M.forward(dict(params, head=params["head"] * 0.25), tokens, sp)[0]
+    np.testing.assert_allclose(a, b, atol=1e-6)
+    base = dataclasses.replace(cfg, d_model=32, n_heads=2, n_kv_heads=1, d_ff=86)
+    assert set(M.mup_scales(base).values()) == {(1.0, 1.0)} and base.output_mult == 1.0
+    assert M.lr_multipliers(base) is None
+
+
 def test_the_marin_32b_preset_has_32b_parameters():
     cfg = CF.PRESETS["marin-32b"].model
     assert 31e9 < M.count_params(cfg) < 34e9  # "32B"
