@@ -315,8 +315,15 @@ LEVER_BREAKS = {"baseline": ("width32",), "QK-Norm": ("width32-qk", "width32-qk-
                 "QK-Norm + soft-cap 50": ("width32-qk-softcap50",),
                 "soft-cap 50": ("width32-softcap50",), "QK-Clip 100": ("width32-qk-clip100",),
                 "Scaled Embed": ("width32-embed-scale",)}
+# Does muP remove the need for QK-Norm? (marin #1570.) The widths rows under --model.param mup,
+# base width 32 (where muP is the standard model: width32 and width32-qk are its d_model 32
+# rows), judged by the widths rows' rules: does the best LR transfer, does the break stay put?
+MUP_ROWS = [dataclasses.replace(g, name=f"{g.name}-mup",
+                                model=(("param", "mup"), ("mup_base_width", 32)),
+                                compare_with=f"width{g.d_model}-qk-mup" if not g.qk_norm else "")
+            for g in WIDTH_ROWS if g.d_model > 32 and (not g.qk_norm or g.d_model == 128)]
 HARNESS_ROWS = {g.name: g for g in (*LEVERS, *SWEEP, *EVIDENCE_GROUPS, *WIDTH_ROWS, *ZLOSS_ROWS,
-                                    *KNOB_ROWS, *BREAK_ROWS)}
+                                    *KNOB_ROWS, *BREAK_ROWS, *MUP_ROWS)}
 
 
 
