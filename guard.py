@@ -100,8 +100,12 @@ class GuardConfig:
                                  f"{getattr(self, name)}")
         if not 0 < self.qk_clip < math.inf:
             raise ValueError(f"--guard.qk-clip must be positive, got {self.qk_clip}")
-        if not 0 <= self.data_fraction < math.inf:
-            raise ValueError(f"--guard.data-fraction must be >= 0, got {self.data_fraction}")
+        if not 0 <= self.data_fraction <= 1:  # a share of the train loss's rise
+            raise ValueError(f"--guard.data-fraction is a fraction of the loss's rise, in [0, 1]"
+                             f", got {self.data_fraction}")
+        if self.data_fraction and not self.shifts:
+            raise ValueError("--guard.data-fraction judges level shifts, which --guard.no-shifts "
+                             "leaves alone: drop one of the two")
         if self.predict not in PREDICTORS:
             raise ValueError(f"--guard.predict must be one of {', '.join(PREDICTORS)}, got "
                              f"{self.predict!r}")

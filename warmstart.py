@@ -150,6 +150,9 @@ def check_target(args: WarmStartArgs, cfg: TrainConfig, step: int) -> bool:
     if partial.exists() and not (partial / MARK).is_file():
         raise UserError(f"{partial} exists and was not written by warmstart.py: move it away, "
                         "or choose another --to")
+    if blocked := next((d for d in dst_run.parents if d.exists() and not d.is_dir()), None):
+        raise UserError(f"--to {args.to} lies under {blocked}, which is a file: choose a "
+                        "directory")
     if dst_run == src_run or src_run in dst_run.parents:
         raise UserError(f"--to {args.to} lies inside --from {args.source}: choose a directory "
                         "outside the source run")

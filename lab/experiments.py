@@ -545,6 +545,9 @@ def harness_tables(args: Args) -> None:
 @command
 def main(argv: list[str]) -> int:
     args = parse(Args, argv, description=__doc__)
+    if (args.seed or args.rerun_steps is not None) and not args.rerun:
+        raise UserError("--seed and --rerun-steps go with --rerun ROW (python -m lab.experiments "
+                        "--rerun story8 --seed 3)")
     if args.slim:
         harness.slim_curves()
         return 0

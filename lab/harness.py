@@ -155,12 +155,32 @@ def read_progress(path: pathlib.Path, like) -> tuple:
     """(state, metrics, evals, chunk seconds, seconds) from a progress file, the state placed as
     `like` is."""
     state, extra = load_state(path, like)
+    if not {"progress/eval_step", "progress/eval_loss", "progress/chunk_seconds",
+            "progress/seconds"} <= extra.keys():
+        raise UserError(f"{path} holds a state but not its metrics: remove it (the LR then "
+                        "trains from its start)")
     state = jax.tree.map(lambda a, b: jax.device_put(a, b.sharding), state, like)
     out = {k.removeprefix("progress/metric/"): [v] for k, v in extra.items()
            if k.startswith("progress/metric/")}
     evals = list(zip(extra["progress/eval_step"].tolist(), extra["progress/eval_loss"]))
     return (state, out, evals, [tuple(c) for c in extra["progress/chunk_seconds"]],
             float(extra["progress/seconds"]))
+
+
+KEPT_KEYS = {"loss", "update_norm", "attn_logit_max", "eval_step", "eval_loss", "first_step",
+             "seconds"}  # what a kept LR must hold (train_members wrote it)
+
+
+def read_npz(path: pathlib.Path, fix: str) -> dict[str, np.ndarray]:
+    """Every array of an .npz the harness wrote (no pickle); a missing, truncated or emptied
+    file, or one that is no .npz, is one line naming it and `fix`."""
+    try:
+        with np.load(path) as f:
+            return {k: f[k] for k in f.files}
+    except FileNotFoundError:
+        raise UserError(f"{path} is missing: {fix}") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise UserError(f"{path} cannot be read ({type(e).__name__}: damaged): {fix}") from None
 
 
 def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print,
@@ -172,6 +192,11 @@ def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print,
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
         settings, stored = keep / "settings.json", json.dumps(g.settings(), sort_keys=True)
+        if settings.exists() and not settings.is_file():
+            raise UserError(f"{settings} is not a file: remove it to train {g.name} anew")
+        if not settings.exists() and any(keep.glob("lr*.npz")):
+            raise UserError(f"{keep} holds kept LRs but no settings.json (whose are they?): "
+                            f"remove it to train {g.name} anew")
         if settings.exists() and settings.read_text() != stored:
             raise UserError(f"{keep} holds LRs of another {g.name}: remove it to train anew")
         settings.write_text(stored)
@@ -179,8 +204,12 @@ def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print,
     for lr in g.lrs:
         path = keep / f"lr{lr:g}.npz" if keep is not None else None
         if path is not None and path.exists():
-            with np.load(path) as f:
-                parts.append(dict(f))
+            part = read_npz(path, f"remove it: LR {lr:g} of {g.name} is trained again")
+            shape = (len(g.seeds), g.steps)
+            if not KEPT_KEYS <= part.keys() or part["loss"].shape != shape:
+                raise UserError(f"{path} is not LR {lr:g} of {g.name} (its loss is not [seeds, "
+                                f"steps] = {list(shape)}): remove it to train that LR again")
+            parts.append(part)
             log(f"{g.name} LR {lr:g}: read back from {path}")
             continue
         progress = keep / f"lr{lr:g}.progress.npz" if keep is not None else None
@@ -337,8 +366,7 @@ def save_state(path: pathlib.Path, state, extra: dict | None = None) -> None:
 def load_state(path: pathlib.Path, like) -> tuple[dict, dict]:
     """(the state save_state wrote, in the structure of `like`; the other arrays), no pickle. A
     leaf missing or of another shape is a UserError (the file is another run's)."""
-    with np.load(path) as f:
-        arrays = dict(f)
+    arrays = read_npz(path, "remove it: the run goes on from its last complete save")
     flat, tree = jax.tree_util.tree_flatten_with_path(like)
     keys = [jax.tree_util.keystr(p) for p, _ in flat]
     if any(k not in arrays or arrays[k].shape != x.shape for k, (_, x) in zip(keys, flat)):
@@ -473,16 +501,9 @@ def read_curve(group: str, member: str) -> dict[str, np.ndarray]:
     group "" the search's results/search/MEMBER.npz: every array. A missing or damaged file is one
     line naming it."""
     path = (SEED_CURVES / group if group else CURVES) / f"{member}.npz"
-    remake = f"python -m lab.experiments {group or member} makes it"
-    try:
-        with np.load(path) as f:
-            c = {k: f[k] for k in f.files}
-    except FileNotFoundError:
-        raise UserError(f"{path} is missing: {remake}") from None
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-        raise UserError(f"{path} cannot be read ({type(e).__name__}): it is damaged; {remake} "
-                        "again (after taking its group out of results/search.json)") from None
-    return c
+    return read_npz(path, f"restore it (git checkout {path}), or make it again: python -m "
+                          f"lab.experiments {group or member}, its group taken out of "
+                          "results/search.json first")
 
 
 def seed_curve(group: str, seed: int) -> dict:

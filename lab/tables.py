@@ -700,7 +700,14 @@ def write_results_json(part: dict) -> None:
     train.py rows and the width sweep are written by different commands."""
     path = RESULTS / "results.json"
     RESULTS.mkdir(exist_ok=True)
-    out = json.loads(path.read_text()) if path.exists() else {}
+    try:
+        out = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} cannot be read ({type(e).__name__}: damaged): restore it "
+                        f"(git checkout {path}) and run the same command again") from None
+    if not isinstance(out, dict):
+        raise UserError(f"{path} is not the results record (a JSON object): restore it "
+                        f"(git checkout {path})")
     with written_whole(path) as tmp:
         tmp.write_text(strict_json(out | part, indent=1) + "\n")
 

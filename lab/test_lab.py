@@ -266,6 +266,48 @@ def test_a_group_killed_after_one_lr_goes_on_from_the_next(tmp_path, monkeypatch
         H.train_group(dataclasses.replace(g, steps=8), log=lambda s: None, keep=tmp_path)
 
 
+def test_damaged_kept_arrays_and_records_are_one_line_each(tmp_path, monkeypatch):
+    """What the harness wrote and reads back, damaged, is a UserError naming the file: a kept
+    LR truncated, empty or without its loss; a kept folder without its settings.json, or whose
+    settings.json is a folder; a stored curve truncated or missing; search.json truncated or
+    holding no groups. Nothing is trained or rewritten on the way."""
+    g = RW.Group("kept", d_model=32, n_layers=1, steps=4, lrs=(1e-3,), seeds=(0, 1))
+    keep = tmp_path / "kept"
+    keep.mkdir()
+    (keep / "settings.json").write_text(json.dumps(g.settings(), sort_keys=True))
+    whole = {k: np.zeros((2, 4)) for k in ("loss", "update_norm", "attn_logit_max")} | {
+        "eval_step": np.array([4]), "eval_loss": np.zeros((2, 1)), "first_step": np.int64(0),
+        "seconds": np.float64(1.0)}
+    np.savez(keep / "lr0.001.npz", **whole)
+    blob = (keep / "lr0.001.npz").read_bytes()
+    for damage, message in ((blob[:len(blob) // 2], "cannot be read"), (b"", "cannot be read"),
+                            (None, "is not LR 0.001 of kept")):
+        if damage is None:
+            np.savez(keep / "lr0.001.npz", **{k: v for k, v in whole.items() if k != "loss"})
+        else:
+            (keep / "lr0.001.npz").write_bytes(damage)
+        with pytest.raises(H.UserError, match=message):
+            H.train_group(g, keep=keep, log=lambda s: None)
+    (keep / "settings.json").unlink()
+    with pytest.raises(H.UserError, match="no settings.json"):
+        H.train_group(g, keep=keep, log=lambda s: None)
+    (keep / "settings.json").mkdir()
+    with pytest.raises(H.UserError, match="is not a file"):
+        H.train_group(g, keep=keep, log=lambda s: None)
+    monkeypatch.setattr(H, "SEED_CURVES", tmp_path)
+    (tmp_path / "row").mkdir()
+    (tmp_path / "row" / "seed0.npz").write_bytes(blob[:100])
+    with pytest.raises(H.UserError, match="seed0.npz cannot be read"):
+        H.read_curve("row", "seed0")
+    with pytest.raises(H.UserError, match="seed1.npz is missing"):
+        H.read_curve("row", "seed1")
+    monkeypatch.setattr(H, "OUT", tmp_path / "search.json")
+    for text, message in (('{"groups": {"a": ', "cannot be read"), ("{}", "no groups")):
+        (tmp_path / "search.json").write_text(text)
+        with pytest.raises(H.UserError, match=message):
+            H.load()
+
+
 def test_an_lr_killed_between_evaluations_goes_on_from_the_last_one_bitwise(tmp_path):
     """An LR of d_model 128 is ~46 minutes on one core: its state and metrics are kept at each
     held-out evaluation, and a killed LR goes on from there; every array then equals the
