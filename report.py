@@ -345,16 +345,28 @@ def event_problem(e) -> str | None:
         return "not a guard record (a JSON object)"
     if e.get("action") not in ("rollback", "escalate", "stop", "go-on", "data"):
         return f"unknown action {e.get('action')!r}"
+    def number(key):
+        return isinstance(e.get(key), (int, float)) and not isinstance(e[key], bool)
     if not whole("event_step"):
         return "no event_step"
-    if e["action"] == "data" and not whole("trigger_step"):
-        return "a data record needs its trigger_step"
+    named = whole("trigger_step") and isinstance(e.get("rule"), str)  # what describe() prints
+    if e["action"] in ("stop", "go-on", "data") and not named:
+        return "a record needs its rule and trigger_step"
+    if e["action"] in ("stop", "go-on") and not isinstance(e.get("why"), str):
+        return f"a {e['action']} record needs its why"
+    if e["action"] == "data" and not (all(number(k) for k in ("rise", "held_out_before",
+                                                              "held_out_now"))
+                                      and whole("checked_at")):
+        return "a data record needs its rise, held_out_before, held_out_now and checked_at"
     if e["action"] in ("stop", "go-on", "data"):
         return None
+
     ahead = e.get("rule") != "predict"  # (a prediction acts where the run stands)
     if not (whole("rollback_to") and whole("replaced_until", e.get("rollback_to", 0) + ahead)
             and whole("extra_steps")):
         return "a rollback record needs rollback_to < replaced_until and extra_steps"
+    if e["rollback_to"] > e["event_step"]:
+        return "a rollback goes back: its rollback_to is after its event_step"
     if "rewarm_steps" in e and not whole("rewarm_steps"):
         return f"rewarm_steps {e['rewarm_steps']!r} is not a step count"
     escalation = e.get("escalation")
@@ -365,6 +377,10 @@ def event_problem(e) -> str | None:
     if escalation == "qk-clip" and not (isinstance(e.get("qk_clip"), (int, float))
                                         and 0 < e["qk_clip"] < math.inf):
         return "a qk-clip escalation needs its threshold qk_clip > 0"
+    if not named:
+        return "a record needs its rule and trigger_step"
+    if e["rule"] == "predict" and not number("max_logit"):
+        return "a predict record needs its max_logit"
     return None
 
 

@@ -2461,6 +2461,15 @@ def as_at_step(run: pathlib.Path, copy: pathlib.Path, step: int) -> None:
     (b'{"action": "escalate", "event_step": 5, "rollback_to": 4, "replaced_until": 6, '
      b'"extra_steps": 2, "escalation": "qk-norms"}\n', "unknown escalation"),
     (None, "not a file"),
+    (b'{"action": "stop", "event_step": 5, "trigger_step": 5, "rule": "spike"}\n', "its why"),
+    (b'{"action": "data", "event_step": 5, "trigger_step": 6, "rule": "shift"}\n', "its rise"),
+    (b'{"action": "escalate", "event_step": 5, "trigger_step": 5, "rule": "predict", '
+     b'"rollback_to": 5, "replaced_until": 5, "extra_steps": 0, "escalation": "qk-norm"}\n',
+     "its max_logit"),
+    (b'{"action": "rollback", "event_step": 5, "trigger_step": 5, "rule": "spike", '
+     b'"rollback_to": 9, "replaced_until": 10, "extra_steps": 2}\n', "rollback goes back"),
+    (b'{"action": "rollback", "event_step": 1000000, "trigger_step": 1000000, "rule": "spike", '
+     b'"rollback_to": 4, "replaced_until": 6, "extra_steps": 2}\n', "of a 20-step run"),
 ])
 def test_a_damaged_guard_record_is_one_line_and_changes_nothing(tmp_path, capsys, content, says):
     run = tmp_path / "run"

@@ -210,6 +210,9 @@ def train(cfg: TrainConfig, devices=None) -> dict:
     hf_params = load_hf(pathlib.Path(cfg.init_from_hf), cfg.model) if cfg.init_from_hf and \
         not steps else None
     user_cfg, events = cfg, read_events(run_dir) if steps else []
+    if beyond := next((e for e in events if e["event_step"] > cfg.steps), None):
+        raise UserError(f"{run_dir}/events.jsonl records an event at step {beyond['event_step']}"
+                        f" of a {cfg.steps}-step run; was the file edited? restore it")
     events, later = guard.split_at(events, at)  # (later: a --resume-step went back past them)
     cfg = effective(user_cfg, events, restored_at=at)  # the checkpoint's shape
     data = load_data(cfg)
