@@ -16,6 +16,7 @@ import logging
 import os
 import pathlib
 import re
+import shutil
 import sys
 
 import tyro
@@ -88,8 +89,9 @@ def quiet_orbax_leftovers(unraisable, default=sys.unraisablehook) -> None:
 def check_new_folder(path, flag: str) -> None:
     """Raise UserError unless `path` can become a new output folder: not an existing file or
     non-empty folder, no parent that is a file, and not inside a run's checkpoints (a folder
-    named checkpoints beside a config.json), where orbax would take it for a checkpoint."""
-    import pathlib
+    named checkpoints beside a config.json), where orbax would take it for a checkpoint. A
+    folder elsewhere in a run directory (RUN/hf) is fine: train.py reads only its own files
+    there (config.json, metrics.jsonl, events.jsonl, checkpoints/) and leaves the rest."""
     path = pathlib.Path(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise UserError(f"{flag} {path} exists and is not empty: choose a new folder")
@@ -105,8 +107,6 @@ def claim_partial(out, marker: str):
     """A fresh `OUT.partial` folder to write into before renaming it to OUT, holding the file
     `marker`. One that a killed earlier attempt of this program left (it holds `marker`) is
     replaced; any other is the user's, and refused, never deleted."""
-    import pathlib
-    import shutil
     partial = pathlib.Path(f"{out}.partial")
     if partial.exists():
         if not (partial / marker).is_file():
