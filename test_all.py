@@ -1049,6 +1049,42 @@ def test_a_4x2_mesh_gives_the_losses_and_parameters_of_1x1(sharded_runs):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("optim", [
+    dict(grad_clip="zclip", zclip_warmup=2, skip_step=True, skip_window=4, update_clip="norm",
+         update_clip_window=4, qk_clip=1.0),
+    dict(optimizer="muon", update_clip="rms", max_grad_norm=0.5)], ids=["adamw", "muon"])
+def test_every_norm_of_the_spike_machinery_is_the_unsharded_one_on_every_mesh(optim):
+    """The norms the spike machinery decides by (marin #8073: a sharded matrix's norm that the
+    SPMD partitioner over-counted; #8621: a per-layer norm over the wrong axes of stacked
+    weights): every metric of the step (the global gradient norm, ZClip's statistics, the
+    update norm and RMS, the per-layer norms and signals, the per-head max logit QK-Clip
+    reads, Muon's orthogonalised update) on FSDP x TP meshes 1x8, 2x4, 4x2 and 8x1 equals the
+    one-device step's, and so does the state after it, to float tolerance."""
+    cfg = tiny(model__n_heads=8, model__n_kv_heads=8)
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, **optim))
+    tokens = np.random.default_rng(2).integers(0, 256, (3, 8, 33)).astype(np.int32)
+
+    def metrics_on(mesh):
+        state, tx, _ = init_sharded(cfg, mesh)
+        step = T.make_train_step(cfg, tx)
+        with jax.set_mesh(mesh):
+            for i in range(3):
+                batch = jax.device_put(tokens[i], jax.NamedSharding(mesh, jax.P("data")))
+                state, metrics = step(state, batch)
+        return jax.device_get(metrics), jax.device_get(state["params"])
+    one, params = metrics_on(mesh_of(1, 1))
+    assert {"grad_norm", "update_norm", "grad_norm_per_layer"} <= one.keys()
+    for data, model in ((1, 8), (2, 4), (4, 2), (8, 1)):
+        m, p = metrics_on(mesh_of(data, model))
+        assert m.keys() == one.keys()
+        for k in one:
+            np.testing.assert_allclose(np.asarray(m[k], np.float64), np.asarray(one[k], np.float64),
+                                       rtol=1e-4, atol=1e-6, err_msg=f"{k} on {data}x{model}")
+        for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(params)):
+            np.testing.assert_allclose(a, b, atol=1e-3)  # (Adam's g / sqrt(v): see above)
+
+
+@pytest.mark.slow
 def test_every_leaf_has_its_declared_sharding(sharded_runs):
     cfg, _, (state, _) = sharded_runs
     table = M.param_table(cfg.model)
