@@ -255,6 +255,19 @@ def check_same_run(stored: TrainConfig, cfg: TrainConfig, taken: int = 0) -> Non
                         ". Pass the same flags to resume, or use a new --run-dir")
 
 
+def train_on(cfg: TrainConfig, taken: int) -> str:
+    """The command that trains a run on past its last step, where one works: raising --steps
+    on a resume, if the LR schedule of twice the steps gives the same LR at every step taken
+    (a constant schedule, or one whose decay has not begun); else what to do instead."""
+    t = np.arange(taken)
+    more = 2 * cfg.steps
+    if np.array_equal(lr_schedule(cfg.optim, cfg.steps)(t), lr_schedule(cfg.optim, more)(t)):
+        return f"train on: python train.py --resume {cfg.run_dir} --steps {more}"
+    return (f"its LR has decayed over its steps, so it cannot be trained on; a longer run is a "
+            f"new one (python train.py ... --steps {more} --run-dir {cfg.run_dir}-longer), "
+            "and --optim.decay-fraction 0.2 holds the LR until the last 20% of the steps")
+
+
 # ---------------------------------------------------------------------------------------------
 # train.py's command line, and the run it describes
 

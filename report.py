@@ -34,6 +34,7 @@ import numpy as np
 import tyro
 
 from cli import UserError, command, parse
+from data import token_unit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -580,9 +581,21 @@ def main(argv: list[str]) -> int:
     for name, m in runs.items():
         print(event_report(m, name, args.rule, args.shift))
     if args.plot:
-        for path in plot(runs, pathlib.Path(args.plot), args.rule):
+        units = {run_unit(pathlib.Path(r)) for r in args.runs}
+        for path in plot(runs, pathlib.Path(args.plot), args.rule,
+                         unit=units.pop() if len(units) == 1 else ""):
             print(f"wrote {path}")
     return 0
+
+
+def run_unit(run: pathlib.Path) -> str:
+    """What one token of a run's data is ("byte" or "token", from its config.json's
+    data.source); "" where the run has no readable config."""
+    try:
+        source = json.loads((run / "config.json").read_text()).get("data", {}).get("source", "")
+        return token_unit(source if isinstance(source, str) else "")
+    except (OSError, ValueError, AttributeError):
+        return ""
 
 
 if __name__ == "__main__":

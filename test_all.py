@@ -2090,8 +2090,17 @@ def test_an_unreachable_wandb_neither_stops_nor_stalls_training(tmp_path):
 
 @pytest.mark.slow
 def test_resume_by_run_directory_and_raise_the_steps_of_a_constant_schedule(tmp_path):
+    """The end line's "train on" command is the one that works: for a constant schedule the
+    resume with twice the steps (run here, and it trains on exactly as a straight run); for a
+    schedule that decays over all its steps, no such command (it would be refused)."""
     cfg = tiny(tmp_path, steps=6, checkpoint_every=3, optim__min_lr_ratio=1.0)
     T.train(cfg, devices=jax.devices()[:1])
+    assert CF.train_on(cfg, 6) == f"train on: python train.py --resume {cfg.run_dir} --steps 12"
+    decayed = tiny(tmp_path, steps=20)  # (its warmup: 5 steps; then it decays to the end)
+    assert "cannot be trained on" in CF.train_on(decayed, 20)
+    with pytest.raises(UserError, match="LR schedule"):
+        CF.check_same_run(decayed, dataclasses.replace(decayed, steps=40), taken=20)
+    CF.check_same_run(cfg, dataclasses.replace(cfg, steps=12), taken=6)  # accepted
     longer = CF.parse_config(["--resume", cfg.run_dir, "--steps", "9"])
     assert longer == dataclasses.replace(cfg, steps=9)  # no preset, no flags retyped
     assert CF.parse_config([cfg.run_dir, "--steps", "9"]) == longer
@@ -3084,6 +3093,14 @@ def test_report_draws_figures_that_are_not_blank(tmp_path, capsys):
     for name in ("overview.png", "attn_logits.png"):
         pixels = matplotlib.image.imread(tmp_path / "fig" / name)  # fails on a non-PNG
         assert min(pixels.shape[:2]) > 200 and pixels[..., :3].std() > 0.05  # not blank
+    # the loss axis says per what: the run's data, from its config.json
+    assert R.run_unit(run) == ""  # (no config.json: the axis says nats)
+    (run / "config.json").write_text(json.dumps({"data": {"source": ""}}))
+    assert R.run_unit(run) == "byte"  # the embedded text
+    (tmp_path / "shards").mkdir()
+    llmc_shard(tmp_path / "shards" / "x_train_000000.bin", np.arange(100))
+    (run / "config.json").write_text(json.dumps({"data": {"source": str(tmp_path / "shards")}}))
+    assert R.run_unit(run) == "token"
 
 
 def planted_slow_rise(path: pathlib.Path, back_at: int | None) -> pathlib.Path:

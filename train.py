@@ -51,6 +51,7 @@ from config import (
     make_tx,
     parse_config,
     resumed,
+    train_on,
 )
 from data import TokenData, parse_ranges, token_unit
 from distributed import (
@@ -342,7 +343,7 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None, events=()
     step = start = int(state["step"])
     if start >= cfg.steps:  # a finished run, resumed: nothing to train
         say(f"{run_dir} is done (step {start} of {cfg.steps}): sample it with python sample.py "
-            f"{run_dir}, or train on with python train.py --resume {run_dir} --steps N")
+            f"{run_dir}; {train_on(cfg, start)}")
         return {}
     stop, log = StopRequested(run_dir), Log(cfg, run_dir, start)
     train_step, eval_step = make_train_step(cfg, tx), make_eval_step(cfg)
@@ -440,7 +441,8 @@ def main(argv: list[str]) -> int:
             f"nats/{token_unit(cfg.data.source)}, {last.get('avg_tokens_per_s', 0):.0f} "
             f"tokens/s on average, {fmt_time(time.perf_counter() - t0)} in all; checkpoint "
             f"step {last['step'] + 1} in {cfg.run_dir}. Sample: python sample.py "
-            f"{cfg.run_dir}; train on: python train.py --resume {cfg.run_dir} --steps N")
+            f"{cfg.run_dir}; the loss curve: python report.py {cfg.run_dir} --plot "
+            f"{cfg.run_dir}/figures; {train_on(cfg, last['step'] + 1)}")
     return 0
 
 
