@@ -72,6 +72,7 @@ from lab.stats import (
 )
 from lab.tables import (
     RESULTS,
+    evidence_json,
     evidence_markdown,
     evidence_rows,
     judged,
@@ -517,6 +518,8 @@ def harness_tables(args: Args) -> None:
     evidence = evidence_rows(record) if args.evidence else []
     if evidence and args.plot:
         update_readme(readme_summary(evidence), pathlib.Path("README.md"), "evidence-summary")
+        write_results_json({"evidence": evidence_json(evidence)})
+        print(f"wrote the 8-seed rows in {RESULTS}/results.json ('evidence')")
     for flag, text, part, figure in (
             (args.levers, levers_markdown, "levers", plot_levers),
             (args.sweep, sweep_markdown, "lr-sweep", plot_sweep),

@@ -614,7 +614,15 @@ def evidence_rows(record: dict, base: str = "story8", twin: str = "story8-qk") -
     return rows
 
 
-# The README's summary of the evidence, in this order, under these names.
+def evidence_json(rows: list[dict]) -> list[dict]:
+    """The evidence rows as results.json keeps them: per row its seeds, the CPU and every
+    figure (each seed's value, the mean, its 95% interval), the guard's counts."""
+    keep = ("group", "seeds", "cpu", "guard")
+    return [{k: r[k] for k in keep} | {k: v for k, v in r.items()
+                                       if isinstance(v, dict) and "values" in v}
+            for r in rows]
+
+
 def readme_summary(rows: list[dict]) -> str:
     """The README's evidence table: the evidence rows with a label that have run, in their
     order, four figures each."""
