@@ -84,6 +84,7 @@ from lab.tables import (
     mechanism,
     mechanism_table,
     readme_summary,
+    s1_markdown,
     sweep_markdown,
     update_readme,
     width_rows,
@@ -519,6 +520,7 @@ def harness_tables(args: Args) -> None:
     if evidence and args.plot:
         update_readme(readme_summary(evidence), pathlib.Path("README.md"), "evidence-summary")
         write_results_json({"evidence": evidence_json(evidence)})
+        update_readme(s1_markdown(record), part="s1")
         print(f"wrote the 8-seed rows in {RESULTS}/results.json ('evidence')")
     for flag, text, part, figure in (
             (args.levers, levers_markdown, "levers", plot_levers),

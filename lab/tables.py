@@ -547,18 +547,21 @@ def output_logits(rows) -> str:
                                                if z else "")
 
 
-def judged(g: Group, seed: int, base: str, twin: str, curve: dict | None = None) -> dict:
+def judged(g: Group, seed: int, base: str, twin: str, curve: dict | None = None,
+           s1: int | None = None) -> dict:
     """One member judged by the episode rules: its curve (a fork's spliced onto its source's),
-    S1 (the baseline's last eval within 0.05 of the twin's), the episodes from S1 (a fork's
-    from its fork step) with the twin's hard-batch control, each shift's recovery. `curve`:
-    judge this curve instead of the stored one (a rerun)."""
+    S1 (the baseline's last eval within 0.05 of the twin's; `s1` fixes it instead), the
+    episodes from S1 (a fork's from its fork step) with the twin's hard-batch control, each
+    shift's recovery. `curve`: judge this curve instead of the stored one (a rerun)."""
     m = curve or seed_curve(g.name, seed)
     first = m["first_step"]
     if first:
         m = spliced(seed_curve(g.fork, seed), m, first) | {
             "eval_step": m["eval_step"], "eval_loss": m["eval_loss"]}
     b, t = seed_curve(base, seed), seed_curve(twin, seed)
-    s1 = int(first_match(list(b["eval_loss"]), list(t["eval_loss"]), list(b["eval_step"])) or 0)
+    if s1 is None:
+        s1 = int(first_match(list(b["eval_loss"]), list(t["eval_loss"]),
+                             list(b["eval_step"])) or 0)
     after = max(s1, first)
     spikes = [e for e in find_spikes(m) if e.step >= after]
     shifts = [e for e in find_shifts(m) if e.step >= after]
@@ -575,19 +578,21 @@ def judged(g: Group, seed: int, base: str, twin: str, curve: dict | None = None)
             "max_logit": float(np.nanmax(m["attn_logit_max"][after:]))}
 
 
-def evidence_rows(record: dict, base: str = "story8", twin: str = "story8-qk") -> list[dict]:
-    """Per evidence group run so far: per seed judged(); the rates per 1,000 steps, the share of
-    seeds with a shift not back by the end, held-out and max logit, each with its mean and
-    bootstrap 95% interval over seeds."""
+def evidence_rows(record: dict, base: str = "story8", twin: str = "story8-qk",
+                  s1: int | None = None, only=None) -> list[dict]:
+    """Per evidence group run so far (`only`: these names): per seed judged() (`s1`: S1 fixed
+    at that step); the rates per 1,000 steps (NaN for a seed with no step left after S1), the
+    share of seeds with a shift not back by the end, held-out and max logit, each with its mean
+    and bootstrap 95% interval over seeds."""
     if base not in record["groups"] or twin not in record["groups"]:
         return []
     rows = []
     for g in EVIDENCE_GROUPS:
-        if g.name not in record["groups"]:
+        if g.name not in record["groups"] or (only is not None and g.name not in only):
             continue
         seeds = sorted(m["seed"] for m in record["groups"][g.name]["members"])
-        per = [judged(g, s, base, twin) for s in seeds]
-        k = 1000 / np.array([p["steps"] for p in per])
+        per = [judged(g, s, base, twin, s1=s1) for s in seeds]
+        k = np.array([1000 / p["steps"] if p["steps"] else np.nan for p in per])
         stats = {
             "level_shift_episodes": k * [sum(e.level_shift for e in p["episodes"]) for p in per],
             "episodes": k * [len(p["episodes"]) for p in per],
@@ -612,6 +617,40 @@ def evidence_rows(record: dict, base: str = "story8", twin: str = "story8-qk") -
                               "ci": bootstrap(v)} for key, v in stats.items()},
                      "survival": survival([r for p in per for r in p["recoveries"]])})
     return rows
+
+
+def s1_markdown(record: dict, groups=("story8", "story8-qk", "story8-marin-32b",
+                                       "story8-rerun")) -> str:
+    """The rates' dependence on S1 (issue: S1 sits at its rule's edge): the level-shift episodes
+    per 1,000 steps with S1 by its rule, fixed at 0 and at 1,000; and each seed's held-out gap
+    to its QK-Norm twin at step 1,000, before any event."""
+    by = {s1: {r["group"]: r for r in evidence_rows(record, s1=s1, only=groups)}
+          for s1 in (None, 0, 1000)}
+    lines = ["| row | level-shift episodes / 1k steps: S1 by its rule | S1 = 0 | S1 = 1,000 |",
+             "|---" * 4 + "|"]
+    for g in groups:
+        if g not in by[None]:
+            continue
+        cells = []
+        for s1 in (None, 0, 1000):
+            v = by[s1][g]["level_shift_episodes"]
+            cells.append(f"{v['mean']:.2f} [{v['ci'][0]:.2f}, {v['ci'][1]:.2f}]")
+        lines.append(f"| {g} | {' | '.join(cells)} |")
+    gaps, before = [], []
+    for p in by[None]["story8"]["per_seed"]:
+        b, t = seed_curve("story8", p["seed"]), seed_curve("story8-qk", p["seed"])
+        gap = b["eval_loss"] - t["eval_loss"]
+        gaps.append(float(gap[list(b["eval_step"]).index(1000)]))
+        first = min((e.start for e in p["episodes"] if e.level_shift), default=None)
+        if first is not None:  # the gap at the last eval before the first level shift
+            i = max(i for i, x in enumerate(b["eval_step"]) if x <= first)
+            before.append((p["seed"], float(gap[i]), float(gap[-1])))
+    lines.append(f"\nHeld-out at step 1,000, the baseline minus its QK-Norm twin, per seed: "
+                 f"{', '.join(f'{x:+.3f}' for x in gaps)} ({sum(x > 0 for x in gaps)} of "
+                 f"{len(gaps)} behind). In the seeds with a level shift, the gap at the last "
+                 "eval before the first one against the gap at the end: "
+                 + ", ".join(f"seed {s} {a:+.3f} of {z:+.3f}" for s, a, z in before) + ".")
+    return "\n".join(lines)
 
 
 def evidence_json(rows: list[dict]) -> list[dict]:
