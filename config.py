@@ -47,6 +47,10 @@ class TrainConfig:
     checkpoint_every: int = 200  # steps between checkpoints (and at the end, and on Ctrl-C)
     keep_checkpoints: int = 3
     max_consecutive_nonfinite: int = 20  # stop after this many non-finite steps in a row
+    # gradient accumulation (nanoGPT's gradient_accumulation_steps): the batch's gradient as
+    # the sum over this many slices of it, one after another, so memory holds one slice's
+    # activations; the same step to float rounding
+    microbatches: int = 1
     per_layer_metrics: bool = True  # per-layer grad/update norms and q/k weight norms
     spectral_metrics: bool = False  # with them, the q/k weights' spectral entropy per layer
     resume_step: int | None = None  # resume from this checkpoint instead of the latest
@@ -57,10 +61,15 @@ class TrainConfig:
 
     def __post_init__(self):
         for name in ("steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
-                     "max_consecutive_nonfinite"):
+                     "max_consecutive_nonfinite", "microbatches"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, "
                                  f"got {getattr(self, name)}")
+        rows = self.data.batch_size // self.microbatches
+        if self.data.batch_size % self.microbatches or rows % max(self.mesh.data, 1):
+            raise ValueError(f"--microbatches {self.microbatches}: the batch of "
+                             f"{self.data.batch_size} must split into that many slices whose "
+                             f"rows divide over --mesh.data {self.mesh.data}")
         if self.seed < 0:
             raise ValueError(f"--seed must be >= 0, got {self.seed}")
         past = [r for r in parse_ranges(self.data.replace_batches, "replace_batches")
@@ -97,6 +106,7 @@ def check_escalation(cfg: TrainConfig) -> None:
 
 # Settings that may change when a run directory is resumed: they do not change the math.
 RESUMABLE = {"run_dir", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
+             "microbatches",
              "max_consecutive_nonfinite", "dry_run", "mesh.data", "mesh.model",
              "data.replace_batches", "data.eval_sequences", "per_layer_metrics", "resume_step",
              "spectral_metrics", "dist.coordinator", "dist.num_processes", "dist.process_id",

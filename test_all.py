@@ -1085,6 +1085,37 @@ def test_every_norm_of_the_spike_machinery_is_the_unsharded_one_on_every_mesh(op
 
 
 @pytest.mark.slow
+def test_accumulated_gradients_are_the_full_batchs_step():
+    """--microbatches 2 and 4 (gradient accumulation): the loss, every metric the skip rule,
+    clipping and the guard read (the gradient norm, the update norm, the max logits) and the
+    parameters after 2 steps equal the whole batch's step to float rounding, on one device
+    and on a 4x2 mesh; a batch that cannot split so is one line."""
+    cfg = tiny(optim__skip_step=True, optim__skip_window=4, optim__update_clip="norm",
+               optim__update_clip_window=4)
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, max_grad_norm=0.5))
+    tokens = np.random.default_rng(3).integers(0, 256, (2, 8, 33)).astype(np.int32)
+
+    def two_steps(cfg, mesh):
+        state, tx, _ = init_sharded(cfg, mesh)
+        step = T.make_train_step(cfg, tx)
+        with jax.set_mesh(mesh):
+            for i in range(2):
+                batch = jax.device_put(tokens[i], jax.NamedSharding(mesh, jax.P("data")))
+                state, metrics = step(state, batch)
+        return jax.device_get(metrics), jax.device_get(state["params"])
+    whole, params = two_steps(cfg, mesh_of(1, 1))
+    for k, (data, model) in ((2, (1, 1)), (4, (1, 1)), (2, (4, 1))):
+        m, p = two_steps(dataclasses.replace(cfg, microbatches=k), mesh_of(data, model))
+        for key in ("loss", "grad_norm", "update_norm", "ce", "z_loss", "attn_logit_max",
+                    "out_logit_max", "skipped"):
+            np.testing.assert_allclose(m[key], whole[key], rtol=2e-5, err_msg=f"{key}, {k}")
+        for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(params)):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+    with pytest.raises(ValueError, match="--microbatches 3"):
+        dataclasses.replace(cfg, microbatches=3)
+
+
+@pytest.mark.slow
 def test_every_leaf_has_its_declared_sharding(sharded_runs):
     cfg, _, (state, _) = sharded_runs
     table = M.param_table(cfg.model)

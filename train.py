@@ -82,17 +82,42 @@ def load_data(cfg: TrainConfig) -> TokenData:
 # ---------------------------------------------------------------------------------------------
 # The train step
 
+# loss_fn's statistics that are maxima (over a batch's slices too); the others are means
+MAX_STATS = {"attn_logit_max", "attn_logit_max_per_head", "out_logit_max"}
+
+
 def build_train_step(cfg: TrainConfig, tx):
     """The one train step, un-jitted: (state, tokens [B, T+1]) -> (new state, metrics). train.py
     jits it (make_train_step); lab/harness.py vmaps it over seeds and scans it over steps."""
     schedule = lr_schedule(cfg.optim, cfg.steps)
     clip = cfg.optim.qk_clip > 0  # QK-Clip reads each head's max logit on the batch
 
+    def loss_and_grads(params, tokens_BT1, stats):
+        """(loss, aux), gradients of the whole batch; with --microbatches k the gradient is
+        summed over k slices of it in a lax.scan (gradient accumulation; slice j holds rows j,
+        j + k, ..., so every slice splits over "data" as the batch does): the mean loss and
+        gradient are the whole batch's, a max statistic the max over the slices."""
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        k = cfg.microbatches
+        if k == 1:
+            return grad_fn(params, tokens_BT1, cfg.model, **stats)
+        B, T1 = tokens_BT1.shape
+        slices_KBT1 = jnp.swapaxes(tokens_BT1.reshape(B // k, k, T1, out_sharding=P(
+            BATCH[0], None, None)), 0, 1)  # (the step runs inside a mesh: train.py, the harness)
+
+        def add(grads, tokens):
+            (loss, aux), g = grad_fn(params, tokens, cfg.model, **stats)
+            return jax.tree.map(jnp.add, grads, g), (loss, aux)
+        grads, (loss_K, aux_K) = jax.lax.scan(add, jax.tree.map(jnp.zeros_like, params),
+                                              slices_KBT1)
+        aux = {key: jnp.max(v, axis=0) if key in MAX_STATS else jnp.mean(v, axis=0)
+               for key, v in aux_K.items()}
+        return (jnp.mean(loss_K), aux), jax.tree.map(lambda g: g / k, grads)
+
     def train_step(state, tokens_BT1):
         params = state["params"]
         stats = {"head_stats": True} if clip else {}
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens_BT1,
-                                                                        cfg.model, **stats)
+        (loss, aux), grads = loss_and_grads(params, tokens_BT1, stats)
         heads = {"attn_logit_max_per_head": aux.pop("attn_logit_max_per_head")} if clip else {}
         updates, opt_state = tx.update(grads, state["opt_state"], params, loss=loss,
                                        step=state["step"], **heads)
