@@ -10,6 +10,7 @@ NaN, an infinity or a value out of range is a UserError before anything is writt
 """
 
 import dataclasses
+import math
 import pathlib
 import types
 import typing
@@ -52,6 +53,9 @@ class TrainConfig:
     # activations; the same step to float rounding
     microbatches: int = 1
     per_layer_metrics: bool = True  # per-layer grad/update norms and q/k weight norms
+    # MFU in the progress line against this many TFLOP/s a device (0: the device's datasheet
+    # figure where distributed.PEAK_TFLOPS knows it; none on a CPU)
+    peak_tflops: float = 0.0
     spectral_metrics: bool = False  # with them, the q/k weights' spectral entropy per layer
     resume_step: int | None = None  # resume from this checkpoint instead of the latest
     dry_run: bool = False  # print sizes and per-device bytes, allocate nothing
@@ -70,6 +74,8 @@ class TrainConfig:
             raise ValueError(f"--microbatches {self.microbatches}: the batch of "
                              f"{self.data.batch_size} must split into that many slices whose "
                              f"rows divide over --mesh.data {self.mesh.data}")
+        if not 0 <= self.peak_tflops < math.inf:
+            raise ValueError(f"--peak-tflops must be >= 0, got {self.peak_tflops}")
         if self.seed < 0:
             raise ValueError(f"--seed must be >= 0, got {self.seed}")
         past = [r for r in parse_ranges(self.data.replace_batches, "replace_batches")
@@ -106,7 +112,7 @@ def check_escalation(cfg: TrainConfig) -> None:
 
 # Settings that may change when a run directory is resumed: they do not change the math.
 RESUMABLE = {"run_dir", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
-             "microbatches",
+             "microbatches", "peak_tflops",
              "max_consecutive_nonfinite", "dry_run", "mesh.data", "mesh.model",
              "data.replace_batches", "data.eval_sequences", "per_layer_metrics", "resume_step",
              "spectral_metrics", "dist.coordinator", "dist.num_processes", "dist.process_id",

@@ -179,6 +179,22 @@ def stop_peers(reason: str) -> None:
         pass
 
 
+# Datasheet bf16 dense peaks, TFLOP/s per device (NVIDIA's and Google's spec sheets), matched
+# by a part of jax's device_kind; MFU (PaLM's model FLOPs utilisation) is taken against them.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0,
+               "A10G": 70.0, "TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5p": 459.0}
+
+
+def peak_tflops(given: float = 0.0) -> tuple[float, str]:
+    """(the peak TFLOP/s of one device, where it comes from); 0 where none is known (a CPU
+    has no datasheet figure: --peak-tflops gives one, e.g. bench's 2048^3 matmul rate)."""
+    if given:
+        return given, "--peak-tflops"
+    kind = jax.devices()[0].device_kind
+    found = next((v for k, v in PEAK_TFLOPS.items() if k in kind), 0.0)
+    return found, f"{kind}'s bf16 datasheet figure" if found else ""
+
+
 def say(*args, **kwargs) -> None:
     """print, on process 0 only."""
     if jax.process_index() == 0:

@@ -1973,6 +1973,25 @@ def test_a_short_run_learns(straight_run):
     assert len(last["attn_logit_max"]) == cfg.model.n_layers
 
 
+def test_the_progress_line_shows_mfu_against_the_peak_it_names(tmp_path, capsys):
+    """MFU (PaLM's model FLOPs utilisation) in the progress line: against --peak-tflops where
+    given (the line at the start names the peak), none on a CPU without it; the figure is
+    model.flops_per_token x the line's tokens/s over the peak."""
+    cfg = tiny(tmp_path, steps=12, log_every=4, peak_tflops=0.01)
+    T.train(cfg, devices=jax.devices()[:1])
+    out = capsys.readouterr().out
+    assert "MFU against 0.01 TFLOP/s a device (--peak-tflops)" in out
+    line = [x for x in out.splitlines() if x.startswith("step") and "MFU" in x][-1]
+    rate = float(line.split(" tok/s")[0].split("| ")[-1].removesuffix("k")) * 1e3
+    mfu = float(line.split("MFU ")[1].split("%")[0]) / 100
+    flops = M.flops_per_token(cfg.model, cfg.data.seq_len)
+    assert mfu == pytest.approx(flops * rate / 1e10, rel=0.02)  # (the line's rounding)
+    T.train(dataclasses.replace(tiny(tmp_path / "b", steps=4), run_dir=str(tmp_path / "b")),
+            devices=jax.devices()[:1])
+    out = capsys.readouterr().out
+    assert "MFU: no peak known for cpu" in out and "| MFU" not in out
+
+
 @pytest.mark.slow
 def test_bfloat16_compute_trains_finitely(tmp_path):
     cfg = tiny(tmp_path, model__dtype="bfloat16", steps=8, eval_every=8, checkpoint_every=8)

@@ -59,6 +59,7 @@ from distributed import (
     check_fits,
     checkpoint_failed,
     give_up,
+    peak_tflops,
     peer_stopped,
     process_rows,
     say,
@@ -184,6 +185,14 @@ class Log:
         self.file = open(run_dir / "metrics.jsonl", "a") if main else None
         self.tracker = Tracker(cfg.wandb, run_dir, dataclasses.asdict(cfg), tags, main)
         self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+        peak, source = peak_tflops(cfg.peak_tflops)
+        # model FLOPs a second the devices could do: MFU = achieved / this (PaLM's MFU)
+        self.peak_flops = peak * 1e12 * cfg.mesh.data * cfg.mesh.model  # the mesh's devices
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        if main and start < cfg.steps:
+            say(f"MFU against {peak:g} TFLOP/s a device ({source})" if peak else
+                f"MFU: no peak known for {jax.devices()[0].device_kind} (--peak-tflops P shows "
+                "it; bench/README.md has this CPU's matmul rate)")
         self.t_start = self.t_prev = time.perf_counter()
         self.t_first = None  # the first record's time: the average excludes the compile
         self.since = None  # (step, time) of the first record since the compile or a rollback
@@ -206,11 +215,14 @@ class Log:
                 step > self.since[0] else None
             eta = fmt_time(per_step * max(self.cfg.steps - step - 1, 0)) if per_step else "--"
             ev = f" | eval {m['eval_loss']:.4f}" if "eval_loss" in m else ""
+            rate = self.tokens_per_step / per_step if per_step else None  # tokens a second
+            mfu = (f"MFU {self.flops_per_token * rate / self.peak_flops:.1%} | "
+                   if rate and self.peak_flops else "")
             say(f"step {step:>6}/{self.cfg.steps} | loss {m['loss']:.4f}{ev} | "
                 f"grad {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
                 f"logit max {max(m['attn_logit_max']):.1f} | "
                 f"{(step + 1) * self.tokens_per_step / 1e6:.2f}M tok | "
-                f"{f'{self.tokens_per_step / per_step / 1e3:.1f}k' if per_step else '--'} tok/s | "
+                f"{f'{rate / 1e3:.1f}k' if rate else '--'} tok/s | {mfu}"
                 f"{fmt_time(now - self.t_start)} | ETA {eta}", flush=True)
         finite = math.isfinite(m["loss"] + m["grad_norm"])
         self.nonfinite = 0 if finite else self.nonfinite + 1
