@@ -122,10 +122,10 @@ def init_new_leaves(cfg, tx, target):
     return init_new
 
 
-def insert_qk_norm(cfg, tx, state: dict, mesh) -> dict:
-    """The warm start's carry in process: `state` (a run without QK-Norm) in the state of cfg
-    (with it) and its optimizer `tx`: the new norm scales at 1 with zero moments, every other
-    leaf kept."""
+def insert_new_leaves(cfg, tx, state: dict, mesh) -> dict:
+    """The warm start's carry in process: `state` in the state of cfg, which adds parameters
+    (QK-Norm's scales, the attention gate), and its optimizer `tx`: the new leaves at their
+    init (the scales at 1, Marin's gate at 0) with zero moments, every other leaf kept."""
     target = abstract_state(cfg.model, tx, mesh)
     return carry(state, target, init_new_leaves(cfg, tx, target))[0]
 

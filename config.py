@@ -98,6 +98,9 @@ def check_escalation(cfg: TrainConfig) -> None:
     out (checked on the config asked for; once the guard has escalated, the run's effective
     config has what it escalated to)."""
     escalate, qk_norm, qk_clip = cfg.guard.escalate, cfg.model.qk_norm, cfg.optim.qk_clip > 0
+    if cfg.guard.on and escalate == "attn-gate" and cfg.model.attn_gate != "none":
+        raise UserError("--guard.escalate attn-gate inserts the attention gate, which this run "
+                        "already has: escalate to qk-norm, stop or none")
     if not cfg.guard.on or escalate not in ("qk-norm", "qk-clip"):
         return
     if escalate == "qk-norm" and (qk_norm or qk_clip):

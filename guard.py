@@ -55,7 +55,8 @@ from jax.experimental import multihost_utils
 from cli import drop_torn_line, written_whole
 from report import ShiftRule, SpikeRule, acted, read_metrics
 
-ESCALATIONS = ("none", "qk-norm", "qk-clip", "stop")
+ESCALATIONS = ("none", "qk-norm", "qk-clip", "attn-gate", "stop")
+INSERTIONS = ("qk-norm", "attn-gate")  # escalations that add parameters (inserted in process)
 PREDICTORS = ("none", "max-logit")
 SPIKE_RULE, SHIFT_RULE = SpikeRule(), ShiftRule()  # report.py's rules at their defaults
 SPAN = 200  # steps of loss history the watch is rebuilt from (> the rules' 120)
@@ -68,7 +69,9 @@ class GuardConfig:
     shifts: bool = True  # act on level shifts (report.py's rule, its defaults)
     margin: int = 20  # roll back to a checkpoint at least this many steps before the event
     rewarm_steps: int = 0  # after a rollback, re-warm the LR over this many steps (0: no)
-    escalate: str = "none"  # at a relapse: "qk-norm", "qk-clip", "stop", or "none" (roll back)
+    # at a relapse: "qk-norm", "qk-clip", "attn-gate" (Marin's gate: exactly 1 when inserted),
+    # "stop", or "none" (roll back only)
+    escalate: str = "none"
     relapses: int = 2  # escalate at this many triggers (the first included)...
     within: int = 2000  # ...whose events lie within this many steps
     escalate_rewarm_steps: int = 100  # the LR re-warmup after an escalation (Marin: 1,000)
@@ -109,9 +112,10 @@ class GuardConfig:
         if self.predict not in PREDICTORS:
             raise ValueError(f"--guard.predict must be one of {', '.join(PREDICTORS)}, got "
                              f"{self.predict!r}")
-        if self.predict != "none" and not (self.on and self.escalate in ("qk-norm", "qk-clip")):
+        if self.predict != "none" and not (self.on and self.escalate in ("qk-norm", "qk-clip",
+                                                                         "attn-gate")):
             raise ValueError("--guard.predict acts by escalating: it needs --guard and "
-                             "--guard.escalate qk-norm or qk-clip")
+                             "--guard.escalate qk-norm, qk-clip or attn-gate")
         if not 0 < self.predict_above < math.inf:
             raise ValueError(f"--guard.predict-above must be positive, got {self.predict_above}")
 
@@ -217,6 +221,8 @@ def effective_config(cfg, events: list[dict], restored_at: int | None = None):
         if e.get("escalation") and (restored_at is None or e["rollback_to"] < restored_at):
             if e["escalation"] == "qk-norm":
                 model = dataclasses.replace(model, qk_norm=True)
+            elif e["escalation"] == "attn-gate":
+                model = dataclasses.replace(model, attn_gate="headwise", attn_gate_form="marin")
             elif e["escalation"] == "qk-clip":
                 optim = dataclasses.replace(optim, qk_clip=e["qk_clip"],
                                             qk_clip_start=e["rollback_to"])
@@ -273,9 +279,9 @@ def in_the_data(cfg: GuardConfig, trigger: Trigger, held_before: float, held_now
 
 
 def pending_insertion(events: list[dict], restored_at: int) -> bool:
-    """Whether the checkpoint at `restored_at` predates an escalation to QK-Norm at its own
-    step (the insertion is then repeated on it)."""
-    return any(e.get("escalation") == "qk-norm" and e["rollback_to"] == restored_at
+    """Whether the checkpoint at `restored_at` predates an escalation that inserts parameters
+    (QK-Norm, the attention gate) at its own step (the insertion is then repeated on it)."""
+    return any(e.get("escalation") in INSERTIONS and e["rollback_to"] == restored_at
                for e in events)
 
 

@@ -50,6 +50,13 @@ class ModelConfig:
     # Scaled Embed (Takase et al. 2312.16903, "Spike No More"): the token embeddings times
     # sqrt(d_model), so that the residual stream starts near std 1 instead of init_std.
     embed_scale: bool = False
+    # The attention gate (Qiu et al., Gated Attention, 2505.06708; Marin kept it): a gate on each
+    # head's output before the output projection, from the block's normed input; one per head
+    # ("headwise") or per head dimension ("elementwise"). Form "marin": 2 * sigmoid(h @ W_gate),
+    # W_gate zero at init, so the gate is exactly 1 (inserting it mid-run changes nothing);
+    # "qwen": sigmoid(h @ W_gate), W_gate drawn as the other weights (Qwen3-Next's).
+    attn_gate: str = "none"
+    attn_gate_form: str = "marin"
     # The parametrisation: "standard" (every weight N(0, init_std), one LR), or "mup" (Yang et
     # al., Tensor Programs V, 2203.03466, as microsoft/mup does it for Adam): this model is
     # compared with itself at `mup_base_width` (mup_scales), and equals the standard model there.
@@ -70,6 +77,9 @@ class ModelConfig:
         check(("dtype",), lambda x: x in ("float32", "bfloat16", "float16"),
               "float32, bfloat16 or float16")
         check(("param",), lambda x: x in ("standard", "mup"), "standard or mup")
+        check(("attn_gate",), lambda x: x in ("none", "headwise", "elementwise"),
+              "none, headwise or elementwise")
+        check(("attn_gate_form",), lambda x: x in ("marin", "qwen"), "marin or qwen")
         check(("mup_base_width",), lambda x: x > 0, "positive")
         # settings that must agree with one another
         if self.d_model % self.n_heads:
@@ -114,6 +124,10 @@ def _ones(key, shape):
     return jnp.ones(shape, jnp.float32)
 
 
+def _zeros(key, shape):
+    return jnp.zeros(shape, jnp.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
     shape: tuple[int, ...]
@@ -146,6 +160,12 @@ def param_table(cfg: ModelConfig) -> dict[str, ParamSpec]:
         "final_norm": ParamSpec((D,), ("embed",), _ones, False),
         "head": ParamSpec((D, V), ("embed", "vocab"), w, True, (0,)),
     }
+    if cfg.attn_gate != "none":
+        init = _zeros if cfg.attn_gate_form == "marin" else w
+        table["layers/w_attn_gate"] = (
+            ParamSpec((L, D, N), ("layers", "embed", "heads"), init, True, (1,))
+            if cfg.attn_gate == "headwise" else
+            ParamSpec((L, D, N, H), ("layers", "embed", "heads", "head_dim"), init, True, (1,)))
     if cfg.qk_norm:
         # One [H] scale per layer shared by all heads (Levanter's Qwen3, which Marin switched to;
         # per-head norm did slightly better than full-width in Wortsman et al. 2309.14322).
@@ -388,7 +408,20 @@ def attention(x_BTD, p, cfg: ModelConfig, head_stats: bool = False):
     stats = {"attn_logit_max": logit_max}
     if head_stats:
         stats["attn_logit_max_per_head"] = A.head_logit_max(q_BTNH, k_BTKH, spec)
-    return einsum_2d_for_xla_cpu(out_BTNH, p["wo"], ("act_embed",)), stats
+    return output_projection(out_BTNH, x_BTD, p, cfg), stats
+
+
+def output_projection(out_BTNH, h_BTD, p, cfg: ModelConfig):
+    """The heads' outputs through the attention gate, if on, and the output projection: the
+    training forward and the cached decode both call this. The gate is computed from the
+    block's normed input `h` (ModelConfig.attn_gate)."""
+    if cfg.attn_gate != "none":
+        headwise = cfg.attn_gate == "headwise"
+        z = einsum_2d_for_xla_cpu(h_BTD, p["w_attn_gate"],
+                                  ("heads",) if headwise else ("heads", "head_dim"))
+        gate = jax.nn.sigmoid(z) * (2 if cfg.attn_gate_form == "marin" else 1)
+        out_BTNH = out_BTNH * (gate[..., None] if headwise else gate)
+    return einsum_2d_for_xla_cpu(out_BTNH, p["wo"], ("act_embed",))
 
 
 def mlp(x_BTD, p):
@@ -453,12 +486,13 @@ def forward_cached(params: dict, tokens_BT, cache: dict, cfg: ModelConfig):
     def block(x_BTD, layer):
         layer_params, k_cache_BSKH, v_cache_BSKH = layer
         p = _gather(layer_params, cfg, dtype)
-        q_BTNH, k_BTKH, v_BTKH = qkv(rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps), p, cfg, pos)
+        h_BTD = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
+        q_BTNH, k_BTKH, v_BTKH = qkv(h_BTD, p, cfg, pos)
         k_cache_BSKH = jax.lax.dynamic_update_slice(k_cache_BSKH, k_BTKH, (0, pos, 0, 0))
         v_cache_BSKH = jax.lax.dynamic_update_slice(v_cache_BSKH, v_BTKH, (0, pos, 0, 0))
         out_BTNH, _ = A.dense(q_BTNH, k_cache_BSKH, v_cache_BSKH, q_offset=pos,
                               softcap=cfg.attn_softcap)
-        x_BTD = x_BTD + einsum_2d_for_xla_cpu(out_BTNH, p["wo"], ("act_embed",))
+        x_BTD = x_BTD + output_projection(out_BTNH, h_BTD, p, cfg)
         return x_BTD + mlp(rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps), p), (k_cache_BSKH,
                                                                                 v_cache_BSKH)
 

@@ -373,7 +373,7 @@ def event_problem(e) -> str | None:
     escalation = e.get("escalation")
     if (e["action"] == "escalate") != (escalation is not None):
         return "an escalate record names its escalation, a rollback none"
-    if escalation not in (None, "qk-norm", "qk-clip"):
+    if escalation not in (None, "qk-norm", "qk-clip", "attn-gate"):
         return f"unknown escalation {escalation!r}"
     if escalation == "qk-clip" and not (isinstance(e.get("qk_clip"), (int, float))
                                         and 0 < e["qk_clip"] < math.inf):

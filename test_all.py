@@ -244,6 +244,62 @@ def test_mup_scales_each_parameter_as_mup_does_and_the_step_applies_them(tiny_to
     assert M.lr_multipliers(base) is None
 
 
+@pytest.mark.parametrize("gate, form", [("headwise", "qwen"), ("elementwise", "qwen"),
+                                         ("headwise", "marin")])
+def test_the_attention_gate_is_the_references(gate, form):
+    """The attention gate against its sources, restated in NumPy: qiuzh20/gated_attention's
+    modeling_qwen3.py (the gate's columns fused into q_proj per KV group, split off,
+    `attn_output * sigmoid(gate_score)`, headwise: one per head, elementwise: one per head
+    dim) and Marin's `2 * sigmoid(einsum("bsd,dn->bsn", x, attn_gate))`; our separate
+    W_gate is the same math as Qwen's fused columns."""
+    cfg = dataclasses.replace(TINY.model, attn_gate=gate, attn_gate_form=form)
+    p = jax.tree.map(lambda a: np.asarray(a[0]), M.init_params(cfg, jax.random.key(3))["layers"])
+    if form == "marin":  # (its init is 0: the gate 1; any weights for the math)
+        p["w_attn_gate"] = 0.3 * np.random.default_rng(0).standard_normal(
+            p["w_attn_gate"].shape).astype(np.float32)
+    rng = np.random.default_rng(1)
+    B, T, D, N, K, H = 2, 5, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    h = rng.standard_normal((B, T, D)).astype(np.float32)
+    out = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    ours = np.asarray(M.output_projection(jnp.asarray(out), jnp.asarray(h), p, cfg))
+    G = N // K
+    if form == "marin":
+        g = 2 / (1 + np.exp(-np.einsum("bsd,dn->bsn", h, p["w_attn_gate"])))
+        gated = out * g[..., None]
+    else:  # Qwen: q_proj's output per KV group is [G heads' queries, G gates (x H if elem.)]
+        per = 1 if gate == "headwise" else H
+        wq = p["wq"].reshape(D, K, G * H)
+        wg = p["w_attn_gate"].reshape(D, K, G * per)
+        q_proj = np.concatenate([wq, wg], axis=-1).reshape(D, -1)  # the fused weight
+        states = (h @ q_proj).reshape(B, T, K, -1)
+        score = states[..., G * H:].reshape(B, T, N, per)  # torch.split, then reshape
+        gated = out * (1 / (1 + np.exp(-score)))
+    want = np.einsum("btnh,nhd->btd", gated, p["wo"])
+    np.testing.assert_allclose(ours, want, atol=1e-5)
+
+
+def test_the_marin_gate_inserted_mid_run_changes_nothing_at_insertion(straight_run):
+    """Marin's gate is exactly 1 when inserted (W_gate 0, its moments 0): the first step after
+    inserting it into a checkpoint gives the source's loss bit for bit; the guard's escalation
+    to it says so in its config, and repeats the insertion on a checkpoint at its own step."""
+    src, _ = straight_run
+    cfg = dataclasses.replace(src, model=dataclasses.replace(src.model, attn_gate="headwise"))
+    mesh = mesh_of(1, 1)
+    tokens = jnp.asarray(D.TokenData(src.data).batch(6))
+    with jax.set_mesh(mesh):
+        _, before = T.make_train_step(src, CF.make_tx(src))(restore_final(src, 6), tokens)
+        gated = C.insert_new_leaves(cfg, CF.make_tx(cfg), restore_final(src, 6), mesh)
+        assert not np.any(np.asarray(gated["params"]["layers"]["w_attn_gate"]))
+        _, after = T.make_train_step(cfg, CF.make_tx(cfg))(gated, tokens)
+    assert float(after["loss"]) == float(before["loss"])  # bitwise
+    e = {"action": "escalate", "escalation": "attn-gate", "event_step": 5, "rollback_to": 3,
+         "replaced_until": 5, "extra_steps": 2, "rule": "shift", "trigger_step": 5}
+    assert R.event_problem(e) is None
+    assert G.effective_config(src, [e]).model.attn_gate == "headwise"
+    assert G.effective_config(src, [e], restored_at=3).model.attn_gate == "none"
+    assert G.pending_insertion([e], 3)
+
+
 def test_the_marin_32b_preset_has_32b_parameters():
     cfg = CF.PRESETS["marin-32b"].model
     assert 31e9 < M.count_params(cfg) < 34e9  # "32B"
@@ -1685,6 +1741,9 @@ BAD_INPUTS = [
     ("warmstart", ["--from", "{trained}", "--to", "{short}/new", "--no-train"],
      "which is a file"),
     ("train", ["--guard", "--guard.data-fraction", "2"], "in [0, 1]"),
+    ("train", ["--model.attn-gate", "headwise", "--guard", "--guard.escalate", "attn-gate"],
+     "already has"),
+    ("train", ["--model.attn-gate", "sideways"], "none, headwise or elementwise"),
     ("train", ["--guard", "--guard.data-fraction", "0.5", "--guard.no-shifts"], "leaves alone"),
     ("warmstart", ["--from", "{run}", "--to", "{run}2"], "no config.json"),
     ("warmstart", ["--from", "{garbage_config}", "--to", "{run}"], "not a spikefix config"),
@@ -2629,7 +2688,7 @@ def test_the_new_scales_first_update_is_adams_with_zero_moments_under_the_carrie
     state = restore_final(src, 6)
     mesh = mesh_of(1, 1)
     with jax.set_mesh(mesh):
-        state = C.insert_qk_norm(cfg, CF.make_tx(cfg), state, mesh)
+        state = C.insert_new_leaves(cfg, CF.make_tx(cfg), state, mesh)
         tokens = D.TokenData(cfg.data).batch(6)
         new, _ = T.make_train_step(cfg, CF.make_tx(cfg))(state, jnp.asarray(tokens))
     lr = float(O.lr_schedule(cfg.optim, cfg.steps)(6))
@@ -2656,6 +2715,25 @@ def test_warmstart_carries_every_leaf_and_adds_only_the_norm_scales(warm_started
     for key in scales:
         expected = 1.0 if key.startswith("['params']") else 0.0
         np.testing.assert_array_equal(new[key], expected, err_msg=key)
+
+
+def test_warmstart_inserts_the_attention_gate_carrying_every_leaf(straight_run, tmp_path):
+    """warmstart.py --insert attn-gate: the gate (Marin's form) and nothing else added, at 0
+    with zero moments; every source leaf carried as it is; QK-Norm left off."""
+    src_cfg, _ = straight_run
+    args = W.WarmStartArgs(source=src_cfg.run_dir, to=str(tmp_path / "gated"), step=3,
+                           insert="attn-gate", no_train=True)
+    cfg = W.convert(args, ["--steps", "12"], devices=jax.devices()[:1])
+    assert cfg.model.attn_gate == "headwise" and cfg.model.attn_gate_form == "marin"
+    assert not cfg.model.qk_norm and cfg.optim.rewarmup_start == 3
+    old = leaves_by_key(restore_final(src_cfg, 3))
+    new = leaves_by_key(restore_final(cfg, 3))
+    added = set(new) - set(old)
+    assert len(added) == 3 and all("w_attn_gate" in k for k in added)  # param, mu, nu
+    for key in old:
+        np.testing.assert_array_equal(new[key], old[key], err_msg=key)
+    for key in added:
+        np.testing.assert_array_equal(new[key], 0.0, err_msg=key)
 
 
 def wandb_records(run_dir: pathlib.Path, wait_s: float = 60.0) -> list:

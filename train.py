@@ -31,7 +31,7 @@ from checkpoint import (
     check_run_dir,
     checkpoint_manager,
     fresh_state,
-    insert_qk_norm,
+    insert_new_leaves,
     per_device_bytes,
     restore_checkpoint,
     resume,
@@ -275,7 +275,7 @@ def train(cfg: TrainConfig, devices=None) -> dict:
             cfg = effective(user_cfg, events)
             tx, data = make_tx(cfg), load_data(cfg)
             if guard.pending_insertion(events, int(state["step"])):
-                state = insert_qk_norm(cfg, tx, state, mesh)
+                state = insert_new_leaves(cfg, tx, state, mesh)
             say(f"guard: {len(acted(events))} recorded action(s) re-applied")
         say(identity(cfg))
         if jax.process_index() == 0:
@@ -318,7 +318,7 @@ def guard_action(trigger, cfg, user_cfg, events: list, mngr, run_dir, mesh, log,
     state = restore_checkpoint(mngr, r, abstract_state(before.model, make_tx(before), mesh))
     tx = make_tx(new := guard.effective_config(user_cfg, events))
     if guard.pending_insertion(events, r):
-        state = insert_qk_norm(new, tx, state, mesh)
+        state = insert_new_leaves(new, tx, state, mesh)
     return new, tx, state
 
 

@@ -1,6 +1,7 @@
 """Insert QK-Norm into a run's checkpoint, keep the optimizer state, re-warm the LR, train on.
 
     python warmstart.py --from runs/story --to runs/rescued
+    python warmstart.py --from runs/story --to runs/gated --insert attn-gate
     python warmstart.py --from runs/story --to runs/rescued --step 2750 --rewarmup-steps 100 \
         --optim.max-grad-norm 0.2 --steps 5000 --no-train
 
@@ -30,7 +31,7 @@ import pathlib
 import shutil
 import sys
 import time
-from typing import Annotated
+from typing import Annotated, Literal
 
 import jax
 import tyro
@@ -58,6 +59,9 @@ class WarmStartArgs:
     step: int | None = None  # checkpoint to convert; default the latest
     rewarmup_steps: int = 1000  # Marin: 1,000
     rewarmup_from_ratio: float = 0.1  # Marin: from 0.1 x peak
+    # what to insert: QK-Norm (Marin's rescue), the attention gate (Marin's form: exactly 1 at
+    # insertion, so the model's output is unchanged), or both
+    insert: Literal["qk-norm", "attn-gate", "qk-norm+attn-gate"] = "qk-norm"
     no_train: bool = False  # convert and stop
 
 
@@ -72,22 +76,34 @@ def parse_args(argv: list[str]) -> tuple[WarmStartArgs, list[str]]:
 
 def target_config(source: TrainConfig, args: WarmStartArgs, step: int,
                   overrides: list[str]) -> TrainConfig:
-    """Source config + QK-Norm + re-warmup at `step`, then the user's train.py flags."""
+    """Source config + what --insert adds + re-warmup at `step`, then the user's train.py
+    flags."""
     try:
         optim = dataclasses.replace(source.optim, rewarmup_start=step,
                                     rewarmup_steps=args.rewarmup_steps,
                                     rewarmup_from_ratio=args.rewarmup_from_ratio)
     except ValueError as e:  # the re-warmup flags, range-checked by OptimConfig
         raise UserError(str(e)) from None
-    default = dataclasses.replace(source, model=dataclasses.replace(source.model, qk_norm=True),
+    model = dataclasses.replace(source.model, qk_norm=source.model.qk_norm or "qk-norm" in
+                                args.insert)
+    if "attn-gate" in args.insert:
+        model = dataclasses.replace(model, attn_gate="headwise", attn_gate_form="marin")
+    default = dataclasses.replace(source, model=model,
                                   optim=optim, run_dir=args.to, resume_step=None,
                                   warm_started_from=f"{args.source}@{step}")
     return parse_flags(default, overrides, train.__doc__)
 
 
-def load_source(run: pathlib.Path, step: int | None) -> tuple[TrainConfig, int]:
+def load_source(run: pathlib.Path, step: int | None, insert: str = "qk-norm"
+                ) -> tuple[TrainConfig, int]:
     """(config, step) of a source run directory's checkpoint (default: the latest)."""
     stored = load_config(run)
+    gate = "attn-gate" in insert
+    if stored is not None and gate and stored.model.attn_gate != "none":
+        raise UserError(f"--from {run} already has an attention gate: nothing to insert; "
+                        "resume it with train.py instead")
+    if "qk-norm" not in insert:
+        return load_checkpointed(run, step, flag="--from ")
     if stored is not None and stored.model.qk_norm:  # said first: no checkpoint would help
         raise UserError(f"--from {run} already has QK-Norm (model.qk_norm is true): nothing to "
                         "insert; resume it with train.py instead")
@@ -162,7 +178,7 @@ def check_target(args: WarmStartArgs, cfg: TrainConfig, step: int) -> bool:
             raise UserError(f"--to {args.to} exists and is not empty: choose a new directory")
         check_same_run(stored, cfg)  # the same command: resume; else say what differs
         return True
-    if not cfg.model.qk_norm:
+    if "qk-norm" in args.insert and not cfg.model.qk_norm:
         raise UserError("warmstart.py inserts QK-Norm: do not pass --model.no-qk-norm")
     if cfg.steps <= step:
         raise UserError(f"--steps {cfg.steps} does not go beyond the checkpoint's step {step}: "
@@ -174,7 +190,7 @@ def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> TrainCon
     """Write NEW_RUN with the converted checkpoint; print what happened. Returns its config.
     If NEW_RUN already holds this warm start, writes nothing (train.train resumes it)."""
     src_run, dst_run = pathlib.Path(args.source), pathlib.Path(args.to)
-    src_cfg, step = load_source(src_run, args.step)
+    src_cfg, step = load_source(src_run, args.step, args.insert)
     cfg = target_config(src_cfg, args, step, overrides)
     if check_target(args, cfg, step):
         print(f"{dst_run} already holds this warm start (from {src_run} at step {step}): "

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import train as T
-from checkpoint import init_state, insert_qk_norm
+from checkpoint import init_state, insert_new_leaves
 from cli import UserError, written_whole
 from config import TrainConfig, make_tx
 from data import TokenData
@@ -413,9 +413,10 @@ def member(stacked, i: int):
 
 
 def train_fork(g: Group, log=print) -> dict:
-    """Each seed of g.fork from its fork step on with g's settings: QK-Norm inserted where g
-    has it (train.py's in-process carry, as the guard's escalation and warmstart.py do: every
-    leaf kept, the new scales at 1 with zero moments), else the state as kept, with QK-Clip
+    """Each seed of g.fork from its fork step on with g's settings: QK-Norm or the attention
+    gate inserted where g has it (train.py's in-process carry, as the guard's escalation and
+    warmstart.py do: every leaf kept, the new ones at their init with zero moments), else the
+    state as kept, with QK-Clip
     acting from the fork step as after `--resume RUN --optim.qk-clip T`; a re-warmup from
     that step where g sets `rewarmup_steps`; then on to g.steps. Returns per-member arrays
     that start at the fork step (`first_step` per member)."""
@@ -442,8 +443,10 @@ def train_fork(g: Group, log=print) -> dict:
             cfg.optim, rewarmup_start=at if "rewarmup_steps" in dict(g.optim) else -1,
             qk_clip_start=at if cfg.optim.qk_clip > 0 else 0))
         tx = make_tx(cfg)
-        carry = functools.partial(insert_qk_norm, cfg, tx, mesh=mesh) \
-            if cfg.model.qk_norm and not src_cfg.model.qk_norm else (lambda state: state)
+        adds = (cfg.model.qk_norm and not src_cfg.model.qk_norm) or (
+            cfg.model.attn_gate != src_cfg.model.attn_gate)  # parameters the source lacks
+        carry = functools.partial(insert_new_leaves, cfg, tx, mesh=mesh) \
+            if adds else (lambda state: state)
         with jax.set_mesh(mesh):
             stacked = load_snapshot(src.name, at, like)
             members = [carry(member(stacked, src.seeds.index(s))) for s in seeds]

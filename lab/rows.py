@@ -257,6 +257,22 @@ EVIDENCE_GROUPS += [
         ("softcap-50", {"attn_softcap": 50.0}, {}, "soft-cap 50 (Gemma 2)"),
         ("zclip", None, {"grad_clip": "zclip"}, "ZClip alone"),
         ("update-clip-rms", None, {"update_clip": "rms"}, "update-RMS clipping alone"))]
+# The attention gate Marin kept (Marin's form: 2 * sigmoid, zero init, headwise), over the same
+# seeds: from scratch without QK-Norm and with it, inserted at the QK-Norm insertion's fork
+# (exactly 1 at insertion), and as the guard's escalation. Declared; not run yet.
+GATE = (("attn_gate", "headwise"), ("attn_gate_form", "marin"))
+EVIDENCE_GROUPS += [
+    dataclasses.replace(EVIDENCE, name="story8-gate", snapshot_every=0, model=GATE,
+                        compare_with="story8-qk", label="the attention gate from scratch"),
+    dataclasses.replace(EVIDENCE, name="story8-gate-qk", snapshot_every=0, model=GATE,
+                        qk_norm=True, label="the gate with QK-Norm from scratch"),
+    dataclasses.replace(EVIDENCE, name="story8-gate-inserted", fork="story8", model=GATE,
+                        snapshot_every=0, compare_with="story8-qk",
+                        optim=(("rewarmup_steps", 100), ("rewarmup_from_ratio", 0.1)),
+                        label="the gate inserted mid-run"),
+    dataclasses.replace(EVIDENCE, name="story8-guard-escalate-gate", snapshot_every=0,
+                        compare_with="story8-qk", guard=(("escalate", "attn-gate"),),
+                        label="the guard, escalating to the gate (train.py)")]
 # Wortsman et al.'s small-scale proxy across widths (2309.14322, Fig. 1): does the break come
 # closer to the best LR as the model grows? d_model 32, 64, 128 at the story's depth, head_dim
 # 16 (the heads scale with the width, two query heads per KV head), the same data, tokens and
@@ -311,7 +327,10 @@ BREAK_ROWS = [
     dataclasses.replace(WIDTH32, name="width32-embed-scale", model=(("embed_scale", True),),
                         lrs=(0.03, 0.1, 0.3, 1.0), compare_with="width32-qk"),
 ]
+BREAK_ROWS.append(dataclasses.replace(WIDTH32, name="width32-gate", model=GATE,
+                                      lrs=WIDTH_LRS, compare_with="width32-qk"))
 LEVER_BREAKS = {"baseline": ("width32",), "QK-Norm": ("width32-qk", "width32-qk-high"),
+                "the attention gate": ("width32-gate",),
                 "QK-Norm + soft-cap 50": ("width32-qk-softcap50",),
                 "soft-cap 50": ("width32-softcap50",), "QK-Clip 100": ("width32-qk-clip100",),
                 "Scaled Embed": ("width32-embed-scale",)}
