@@ -70,7 +70,8 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, "
                                  f"got {getattr(self, name)}")
         rows = self.data.batch_size // self.microbatches
-        if self.data.batch_size % self.microbatches or rows % max(self.mesh.data, 1):
+        if self.microbatches > 1 and (self.data.batch_size % self.microbatches
+                                      or rows % max(self.mesh.data, 1)):
             raise ValueError(f"--microbatches {self.microbatches}: the batch of "
                              f"{self.data.batch_size} must split into that many slices whose "
                              f"rows divide over --mesh.data {self.mesh.data}")

@@ -30,10 +30,7 @@ from cli import UserError, written_whole
 from config import TrainConfig, make_tx
 from data import TokenData
 from distributed import MeshConfig, make_mesh
-from lab.rows import (
-    REGISTRY,
-    Group,
-)
+from lab.rows import REGISTRY, ZLOSS_ROWS, Group
 from report import (
     acted,
     find_shifts,
@@ -59,12 +56,14 @@ def member_grid(g: Group) -> list[tuple[float, int]]:
 # 45 kB a member, under 1 MB a row): the per-step series a rule or a table reads, as the step
 # wrote them (float32) -- the loss and the update norm (the spike and level-shift rules), the
 # attention logit's max over the layers (the max-logit columns read only the maximum), skipped
-# steps, the output logits' max and log Z (the z-loss table) -- and the held-out evals. The
+# steps (the z-loss rows also the output logits' max and log Z) -- and the held-out evals. The
 # groups early warning reads per layer (lab/foresight.py) keep every series, the per-layer ones
 # in float16.
-CURVE_KEYS = ("loss", "update_norm", "attn_logit_max", "skipped", "out_logit_max", "log_z",
-              "eval_step", "eval_loss", "first_step")
+CURVE_KEYS = ("loss", "update_norm", "attn_logit_max", "skipped", "eval_step", "eval_loss",
+              "first_step")
+OUTPUT_LOGIT_KEYS = ("out_logit_max", "log_z")  # kept by the z-loss rows, whose table reads them
 FULL_CURVES = ("story8", "story8-qk", "story8-signals", "story8-signals-qk")
+ZLOSS_NAMES = {g.name for g in ZLOSS_ROWS}
 CURVE_F32 = ("loss", "grad_norm", "update_norm", "attn_logit_max", "skipped", "out_logit_max",
              "log_z", "eval_step", "eval_loss", "first_step")
 
@@ -167,8 +166,7 @@ def read_progress(path: pathlib.Path, like) -> tuple:
             float(extra["progress/seconds"]))
 
 
-KEPT_KEYS = {"loss", "update_norm", "attn_logit_max", "eval_step", "eval_loss", "first_step",
-             "seconds"}  # what a kept LR must hold (train_members wrote it)
+KEPT_KEYS = {"loss", "eval_step", "first_step", "seconds"}  # what a kept LR must hold at least
 
 
 def read_npz(path: pathlib.Path, fix: str) -> dict[str, np.ndarray]:
@@ -261,7 +259,8 @@ def curve_arrays(group: str, a: dict) -> dict:
     if group in FULL_CURVES:
         return {k: v if k in CURVE_F32 else np.asarray(v, np.float16) for k, v in a.items()
                 if k not in ("seconds", "chunk_seconds")}
-    return {k: layer_max(a[k]) if k == "attn_logit_max" else a[k] for k in CURVE_KEYS if k in a}
+    keys = CURVE_KEYS + (OUTPUT_LOGIT_KEYS if group in ZLOSS_NAMES else ())
+    return {k: layer_max(a[k]) if k == "attn_logit_max" else a[k] for k in keys if k in a}
 
 
 def layer_max(logit: np.ndarray) -> np.ndarray:
