@@ -46,7 +46,7 @@ class TrainConfig:
     log_every: int = 20  # progress line every this many steps (metrics.jsonl gets every step)
     eval_every: int = 200  # held-out loss every this many steps, and at the end
     checkpoint_every: int = 200  # steps between checkpoints (and at the end, and on Ctrl-C)
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = 3  # checkpoints kept in the run directory, the latest ones
     max_consecutive_nonfinite: int = 20  # stop after this many non-finite steps in a row
     # gradient accumulation (nanoGPT's gradient_accumulation_steps): the batch's gradient as
     # the sum over this many slices of it, one after another, so memory holds one slice's

@@ -364,12 +364,20 @@ def prepare(args: PrepareArgs) -> dict:
             "encode_tokens_per_s": (train.size + val.size) / (t2 - t1)}
 
 
+USAGE = ("usage: python data.py prepare --out DIR [--text DIR] [--vocab-size N] "
+         "[--tokenizer FILE] [--val-fraction F]")
+
+
 @command
 def main(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{USAGE}\n\n{__doc__}")
+        return 0
     if argv[:1] != ["prepare"]:
-        raise UserError("usage: python data.py prepare --out DIR [--text DIR] [--vocab-size N] "
-                        "[--tokenizer FILE] [--val-fraction F]")
-    args = parse(PrepareArgs, argv[1:], prog="data.py prepare", description=prepare.__doc__)
+        raise UserError(USAGE)
+    args = parse(PrepareArgs, argv[1:], prog="data.py prepare",
+                 description="Train (or load) a byte-level BPE tokenizer on local text and write "
+                             "llm.c train / val token shards and tokenizer.json into --out.")
     try:
         r = prepare(args)
     except ValueError as e:

@@ -40,10 +40,9 @@ from jax import P
 class OptimConfig:
     optimizer: Literal["adamw", "muon"] = "adamw"
     # Muon as Levanter / Marin (levanter optim/muon.py) and Keller Jordan's Muon run it: the
-    # hidden matrices on Muon with momentum 0.95, the embedding, the LM head and the vectors
-    # on AdamW. --optim.muon-head orthogonalises the LM head too (the variant run before).
-    muon_momentum: float = 0.95
-    muon_head: bool = False
+    # hidden matrices on Muon, the embedding, the LM head and the vectors on AdamW.
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum (Keller Jordan's, Levanter's 0.95)
+    muon_head: bool = False  # orthogonalise the LM head too (the variant run before)
     lr: float = 3e-3  # peak learning rate (Marin 32B: 7e-4)
     b1: float = 0.9
     b2: float = 0.95
@@ -54,9 +53,9 @@ class OptimConfig:
     # clip a grad norm whose z-score over an EMA of past norms exceeds zclip_z (max_grad_norm
     # stays the hard cap)
     grad_clip: Literal["norm", "zclip"] = "norm"
-    zclip_alpha: float = 0.97  # ZClip's defaults: EMA factor, z-score threshold, warmup
-    zclip_z: float = 2.5
-    zclip_warmup: int = 25
+    zclip_alpha: float = 0.97  # ZClip's EMA factor of the grad norm's mean and variance
+    zclip_z: float = 2.5  # ZClip's z-score above which a grad norm is clipped (its default)
+    zclip_warmup: int = 25  # steps of grad norms ZClip collects before it clips (its default)
     warmup_steps: int = 100  # Marin 32B: 10,000
     decay: Literal["cosine", "linear"] = "cosine"
     decay_fraction: float = 1.0  # decay over this fraction of the steps after warmup (Marin: 0.4)
