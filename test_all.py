@@ -1084,6 +1084,18 @@ def run_steps(cfg, mesh, n, tokens):
     return state, losses
 
 
+def last_step(cfg, mesh, tokens):
+    """One step per batch of `tokens` [n, B, T+1] on `mesh`: (the last step's metrics, the
+    parameters after it), on the host."""
+    state, tx, _ = init_sharded(cfg, mesh)
+    step = T.make_train_step(cfg, tx)
+    with jax.set_mesh(mesh):
+        for batch in tokens:
+            state, metrics = step(state, jax.device_put(batch, jax.NamedSharding(mesh,
+                                                                               jax.P("data"))))
+    return jax.device_get(metrics), jax.device_get(state["params"])
+
+
 @pytest.fixture(scope="module")
 def sharded_runs():
     """Every spike tool on, 3 steps on 1x1 and on 4x2."""
@@ -1121,13 +1133,7 @@ def test_every_norm_of_the_spike_machinery_is_the_unsharded_one_on_every_mesh(op
     tokens = np.random.default_rng(2).integers(0, 256, (3, 8, 33)).astype(np.int32)
 
     def metrics_on(mesh):
-        state, tx, _ = init_sharded(cfg, mesh)
-        step = T.make_train_step(cfg, tx)
-        with jax.set_mesh(mesh):
-            for i in range(3):
-                batch = jax.device_put(tokens[i], jax.NamedSharding(mesh, jax.P("data")))
-                state, metrics = step(state, batch)
-        return jax.device_get(metrics), jax.device_get(state["params"])
+        return last_step(cfg, mesh, tokens)
     # NOTE: XLA:CPU (jax 0.10.2) aborts the process when it loads these steps back from the
     # persistent compilation cache (a second run of this test, or another worker's compile):
     # they are compiled afresh here.
@@ -1163,17 +1169,9 @@ def test_accumulated_gradients_are_the_full_batchs_step():
     cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, max_grad_norm=0.5))
     tokens = np.random.default_rng(3).integers(0, 256, (2, 8, 33)).astype(np.int32)
 
-    def two_steps(cfg, mesh):
-        state, tx, _ = init_sharded(cfg, mesh)
-        step = T.make_train_step(cfg, tx)
-        with jax.set_mesh(mesh):
-            for i in range(2):
-                batch = jax.device_put(tokens[i], jax.NamedSharding(mesh, jax.P("data")))
-                state, metrics = step(state, batch)
-        return jax.device_get(metrics), jax.device_get(state["params"])
-    whole, params = two_steps(cfg, mesh_of(1, 1))
+    whole, params = last_step(cfg, mesh_of(1, 1), tokens)
     for k, (data, model) in ((2, (1, 1)), (4, (1, 1)), (2, (4, 1))):
-        m, p = two_steps(dataclasses.replace(cfg, microbatches=k), mesh_of(data, model))
+        m, p = last_step(dataclasses.replace(cfg, microbatches=k), mesh_of(data, model), tokens)
         for key in ("loss", "grad_norm", "update_norm", "ce", "z_loss", "attn_logit_max",
                     "out_logit_max", "skipped"):
             np.testing.assert_allclose(m[key], whole[key], rtol=2e-5, err_msg=f"{key}, {k}")
