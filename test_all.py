@@ -1117,19 +1117,17 @@ def test_a_4x2_mesh_gives_the_losses_and_parameters_of_1x1(sharded_runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optim", [
-    dict(grad_clip="zclip", zclip_warmup=2, skip_step=True, skip_window=4, update_clip="norm",
-         update_clip_window=4, qk_clip=1.0),
-    dict(optimizer="muon", update_clip="rms", max_grad_norm=0.5)], ids=["adamw", "muon"])
-def test_every_norm_of_the_spike_machinery_is_the_unsharded_one_on_every_mesh(optim):
+def test_every_norm_of_the_spike_machinery_is_the_unsharded_one_on_every_mesh():
     """The norms the spike machinery decides by (marin #8073: a sharded matrix's norm that the
     SPMD partitioner over-counted; #8621: a per-layer norm over the wrong axes of stacked
     weights): every metric of the step (the global gradient norm, ZClip's statistics, the
     update norm and RMS, the per-layer norms and signals, the per-head max logit QK-Clip
     reads, Muon's orthogonalised update) on FSDP x TP meshes 1x8, 2x4, 4x2 and 8x1 equals the
     one-device step's, and so does the state after it, to float tolerance."""
-    cfg = tiny(model__n_heads=8, model__n_kv_heads=8)
-    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, **optim))
+    cfg = tiny(model__n_heads=8, model__n_kv_heads=8)  # (8 heads: a model axis of 8)
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(  # every lever at once (MuonClip)
+        cfg.optim, optimizer="muon", grad_clip="zclip", zclip_warmup=2, skip_step=True,
+        skip_window=4, update_clip="rms", qk_clip=1.0))
     tokens = np.random.default_rng(2).integers(0, 256, (3, 8, 33)).astype(np.int32)
 
     def metrics_on(mesh):
@@ -1160,7 +1158,7 @@ def assert_every_mesh_equals_one_device(metrics_on):
 
 @pytest.mark.slow
 def test_accumulated_gradients_are_the_full_batchs_step():
-    """--microbatches 2 and 4 (gradient accumulation): the loss, every metric the skip rule,
+    """--microbatches 4 and 2 (gradient accumulation): the loss, every metric the skip rule,
     clipping and the guard read (the gradient norm, the update norm, the max logits) and the
     parameters after 2 steps equal the whole batch's step to float rounding, on one device
     and on a 4x2 mesh; a batch that cannot split so is one line."""
@@ -1170,7 +1168,7 @@ def test_accumulated_gradients_are_the_full_batchs_step():
     tokens = np.random.default_rng(3).integers(0, 256, (2, 8, 33)).astype(np.int32)
 
     whole, params = last_step(cfg, mesh_of(1, 1), tokens)
-    for k, (data, model) in ((2, (1, 1)), (4, (1, 1)), (2, (4, 1))):
+    for k, (data, model) in ((4, (1, 1)), (2, (4, 1))):
         m, p = last_step(dataclasses.replace(cfg, microbatches=k), mesh_of(data, model), tokens)
         for key in ("loss", "grad_norm", "update_norm", "ce", "z_loss", "attn_logit_max",
                     "out_logit_max", "skipped"):
