@@ -2059,6 +2059,20 @@ def test_the_progress_line_shows_mfu_against_the_peak_it_names(tmp_path, capsys)
     assert "MFU: no peak known for cpu" in out and "| MFU" not in out
 
 
+def test_a_run_inside_its_warmup_and_a_flag_on_a_finished_run_say_so(tmp_path, capsys):
+    """--steps that end inside the warmup get a note; a finished run resumed with
+    --wandb.project trains nothing and says that nothing goes to W&B (no W&B run starts)."""
+    cfg = tiny(tmp_path, steps=4)  # the tiny preset's warmup: 5 steps
+    T.train(cfg, devices=jax.devices()[:1])
+    assert "ends inside the LR warmup (5 steps)" in capsys.readouterr().out
+    again = dataclasses.replace(cfg, wandb=TR.WandbConfig(project="spikefix-tests",
+                                                          mode="offline"))
+    assert T.train(again, devices=jax.devices()[:1]) == {}
+    out = capsys.readouterr().out
+    assert "is done (step 4 of 4)" in out and "nothing goes to W&B" in out
+    assert not (tmp_path / "run" / "wandb").exists()
+
+
 @pytest.mark.slow
 def test_bfloat16_compute_trains_finitely(tmp_path):
     cfg = tiny(tmp_path, model__dtype="bfloat16", steps=8, eval_every=8, checkpoint_every=8)

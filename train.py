@@ -380,8 +380,13 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None, events=()
     step = start = int(state["step"])
     if start >= cfg.steps:  # a finished run, resumed: nothing to train
         say(f"{run_dir} is done (step {start} of {cfg.steps}): sample it with python sample.py "
-            f"{run_dir}; {train_on(cfg, start)}")
+            f"{run_dir}; {train_on(cfg, start)}"
+            + (f"; nothing trains, so nothing goes to W&B (--wandb.project "
+               f"{cfg.wandb.project})" if cfg.wandb.project else ""))
         return {}
+    if cfg.steps < cfg.optim.warmup_steps:
+        say(f"note: --steps {cfg.steps} ends inside the LR warmup ({cfg.optim.warmup_steps} "
+            "steps): the run never reaches its peak LR")
     stop, log = StopRequested(run_dir), Log(cfg, run_dir, start)
     train_step, eval_step = make_train_step(cfg, tx), make_eval_step(cfg)
     hook = GuardHook(cfg, user_cfg or cfg, list(events), mngr, run_dir, mesh, log, start,
