@@ -2913,7 +2913,8 @@ def test_the_same_warmstart_command_resumes_after_a_kill(straight_run, tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     assert killed_at >= 8 and "already holds this warm start" in again.stdout
     assert f"resumed {tmp_path / 'new'} at step {killed_at}" in again.stdout
-    assert "done: step 100" in again.stdout
+    assert "done: step 100" in again.stdout  # train.py's end line: unit, checkpoint, next
+    assert "nats/byte" in again.stdout and "checkpoint step 100 in" in again.stdout
     done = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "is done (step 100 of 100)" in done.stdout, done.stderr
 

@@ -479,13 +479,18 @@ def main(argv: list[str]) -> int:
             give_up(f"error: {peer}; process {jax.process_index()} stops too", code=1)
         raise
     if last:
-        say(f"done: step {last['step'] + 1}, held-out loss {last['eval_loss']:.4f} "
-            f"nats/{token_unit(cfg.data.source)}, {last.get('avg_tokens_per_s', 0):.0f} "
-            f"tokens/s on average, {fmt_time(time.perf_counter() - t0)} in all; checkpoint "
-            f"step {last['step'] + 1} in {cfg.run_dir}. Sample: python sample.py "
-            f"{cfg.run_dir}; the loss curve: python report.py {cfg.run_dir} --plot "
-            f"{cfg.run_dir}/figures; {train_on(cfg, last['step'] + 1)}")
+        say(done_line(cfg, last, time.perf_counter() - t0))
     return 0
+
+
+def done_line(cfg: TrainConfig, last: dict, seconds: float) -> str:
+    """The end line of a run (train.py's, warmstart.py's): where it got, what next."""
+    return (f"done: step {last['step'] + 1}, held-out loss {last['eval_loss']:.4f} "
+            f"nats/{token_unit(cfg.data.source)}, {last.get('avg_tokens_per_s', 0):.0f} "
+            f"tokens/s on average, {fmt_time(seconds)} in all; checkpoint step "
+            f"{last['step'] + 1} in {cfg.run_dir}. Sample: python sample.py {cfg.run_dir}; the "
+            f"loss curve: python report.py {cfg.run_dir} --plot {cfg.run_dir}/figures; "
+            f"{train_on(cfg, last['step'] + 1)}")
 
 
 if __name__ == "__main__":

@@ -229,11 +229,12 @@ def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> TrainCon
 @command
 def main(argv: list[str]) -> int:
     args, overrides = parse_args(argv)
+    t0 = time.perf_counter()
     cfg = convert(args, overrides)
     if not args.no_train:
         last = train.train(cfg)
         if last:  # (a finished warm start run again says so, and trains nothing)
-            print(f"done: step {last['step'] + 1}, held-out loss {last['eval_loss']:.4f}")
+            print(train.done_line(cfg, last, time.perf_counter() - t0))
     return 0
 
 
