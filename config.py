@@ -342,6 +342,11 @@ def identity(cfg: TrainConfig) -> str:
                               (f"grad clip {o.max_grad_norm:g}", o.max_grad_norm),
                               ("skip-step", o.skip_step), (f"update clip {o.update_clip}",
                                                            o.update_clip != "off"),
+                              (f"attention gate ({m.attn_gate}, {m.attn_gate_form})",
+                               m.attn_gate != "none"),
+                              ("Scaled Embed", m.embed_scale),
+                              (f"muP (base width {m.mup_base_width})", m.param == "mup"),
+                              (f"{cfg.microbatches} microbatches", cfg.microbatches > 1),
                               ("guard", cfg.guard.on)) if on]
     return (f"model: d_model {m.d_model}, {m.n_layers} layers, {m.n_heads}/{m.n_kv_heads} "
             f"heads, vocab {m.vocab_size}, seed {cfg.seed}\n"
