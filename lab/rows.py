@@ -302,9 +302,20 @@ ZLOSS_ROWS = [g for z in (0.0, 1e-4) for base in [dataclasses.replace(
 # in most recipes (0.999; the proxy's 0.95), Marin's epsilon (1e-15), no weight decay.
 KNOB_LRS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
 KNOBS = {"b2.999": {"b2": 0.999}, "eps1e-15": {"eps": 1e-15}, "wd0": {"weight_decay": 0.0}}
-KNOB_ROWS = [g for tag, knob in KNOBS.items() for base in [dataclasses.replace(
-    WIDTH_ROWS[0], name=f"width32-{tag}", lrs=KNOB_LRS, compare_with=f"width32-{tag}-qk",
-    **knob)] for g in (base, twin(base))]
+# The costlier knobs on a narrower grid, the LRs run middle first (a stop keeps the bracket):
+# the batch x4 (64 sequences: the 32B's 32Mi tokens a step against the 8B's 4-12Mi; 4x the
+# compute an LR) and twice the steps (8,000, the warmup as it is). d_model 64 without weight
+# decay: the one knob that moved the distance at 32 (2.0 -> 1.0 decade), one width up.
+COSTLY_LRS = (1e-2, 3e-2, 1e-1, 3e-3, 3e-1)
+KNOBS_COSTLY = {"b64": {"batch_size": 64}, "8k": {"steps": 8000}}
+KNOB_ROWS = [g for tag, knob, lrs in [*[(t, k, KNOB_LRS) for t, k in KNOBS.items()],
+                                      *[(t, k, COSTLY_LRS) for t, k in KNOBS_COSTLY.items()]]
+             for base in [dataclasses.replace(WIDTH_ROWS[0], name=f"width32-{tag}", lrs=lrs,
+                                              compare_with=f"width32-{tag}-qk", **knob)]
+             for g in (base, twin(base))]
+KNOB_ROWS += [g for base in [dataclasses.replace(
+    WIDTH_ROWS[2], name="width64-wd0", weight_decay=0.0, lrs=(3e-3, 1e-2, 3e-2, 1e-1, 1e-3),
+    compare_with="width64-wd0-qk")] for g in (base, twin(base))]
 # How far each lever moves the break, d_model 32: each lever's break LR (the widths rows' rule)
 # as a ratio to the baseline's (width32: 0.3), each seed's against the same seed's. The grids
 # bracket each lever's break where the literature puts it: QK-Norm's sat at width32-qk's top (1),
