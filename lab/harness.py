@@ -30,6 +30,7 @@ from cli import UserError, written_whole
 from config import TrainConfig, make_tx
 from data import TokenData
 from distributed import MeshConfig, make_mesh
+from lab.probe import PROBE_KEYS, probe
 from lab.rows import REGISTRY, ZLOSS_ROWS, Group
 from report import (
     acted,
@@ -60,12 +61,12 @@ def member_grid(g: Group) -> list[tuple[float, int]]:
 # groups early warning reads per layer (lab/foresight.py) keep every series, the per-layer ones
 # in float16.
 CURVE_KEYS = ("loss", "update_norm", "attn_logit_max", "skipped", "eval_step", "eval_loss",
-              "first_step")
+              "first_step", *PROBE_KEYS)
 OUTPUT_LOGIT_KEYS = ("out_logit_max", "log_z")  # kept by the z-loss rows, whose table reads them
 FULL_CURVES = ("story8", "story8-qk", "story8-signals", "story8-signals-qk")
 ZLOSS_NAMES = {g.name for g in ZLOSS_ROWS}
 CURVE_F32 = ("loss", "grad_norm", "update_norm", "attn_logit_max", "skipped", "out_logit_max",
-             "log_z", "eval_step", "eval_loss", "first_step")
+             "log_z", "eval_step", "eval_loss", "first_step", *PROBE_KEYS)
 
 
 def one_device_mesh():
@@ -83,7 +84,8 @@ def train_members(cfg: TrainConfig, seeds, chunk: int = 50, eval_every: int = 25
     the state and the metrics so far are saved at each held-out evaluation and read back on the
     next call, so a killed run goes on from its last evaluation (bitwise: the chunks after it
     are the same). Returns [M, steps, ...] arrays of every metric of the step, the held-out loss
-    every `eval_every` steps and the seconds it took."""
+    every `eval_every` steps (with lab/probe.py's per-layer figures then) and the seconds it
+    took."""
     tx = make_tx(cfg)
     step_fn = T.build_train_step(cfg, tx)
     qk_clip = cfg.optim.qk_clip > 0
@@ -104,7 +106,10 @@ def train_members(cfg: TrainConfig, seeds, chunk: int = 50, eval_every: int = 25
         if state is None:
             state = jax.jit(jax.vmap(lambda s: init_state(cfg.model, s, tx)))(seeds_M)
         run_chunk = jax.jit(lambda s, t: jax.lax.scan(body, s, t), donate_argnums=0)
-        eval_fn = jax.jit(jax.vmap(T.make_eval_step(cfg), in_axes=(0, None)))  # train.py's
+        eval_loss = jax.vmap(T.make_eval_step(cfg), in_axes=(0, None))  # train.py's
+        probes = jax.vmap(lambda p, t: probe(p, t[..., :-1].reshape(-1, t.shape[-1] - 1),
+                                              cfg.model), in_axes=(0, None))
+        eval_fn = jax.jit(lambda p, t: {"eval_loss": eval_loss(p, t)} | probes(p, t))
         held_out = jnp.asarray(datas[0].held_out_batches())
         first = int(state["step"][0])
         out, evals, chunk_s, before = {}, [], [], 0.0
@@ -124,7 +129,7 @@ def train_members(cfg: TrainConfig, seeds, chunk: int = 50, eval_every: int = 25
             chunk_s.append((n, time.time() - t))  # batches, dispatch, compute, host read
             c0 += n
             if c0 % eval_every == 0 or c0 == cfg.steps:
-                evals.append((c0, np.asarray(eval_fn(state["params"], held_out))))
+                evals.append((c0, jax.device_get(eval_fn(state["params"], held_out))))
                 if progress is not None and c0 < cfg.steps:
                     save_state(progress, state, progress_arrays(out, evals, chunk_s,
                                                                 time.time() - t0))
@@ -136,7 +141,8 @@ def train_members(cfg: TrainConfig, seeds, chunk: int = 50, eval_every: int = 25
     arrays = {k: np.concatenate(v).swapaxes(0, 1) for k, v in out.items()}  # [M, steps, ...]
     arrays["first_step"] = np.int64(first)
     arrays["eval_step"] = np.array([s for s, _ in evals])
-    arrays["eval_loss"] = np.stack([e for _, e in evals], axis=1)  # [M, evals]
+    for k in evals[0][1]:  # eval_loss [M, evals]; the probes [M, evals, L]
+        arrays[k] = np.stack([e[k] for _, e in evals], axis=1)
     arrays["seconds"] = time.time() - t0
     arrays["chunk_seconds"] = np.array(chunk_s)  # [chunks, 2]: steps, seconds (the 1st compiles)
     return arrays
@@ -146,7 +152,7 @@ def progress_arrays(out: dict, evals: list, chunk_s: list, seconds: float) -> di
     """train_members' metrics so far, as arrays beside the state in its progress file."""
     return {**{f"progress/metric/{k}": np.concatenate(v) for k, v in out.items()},
             "progress/eval_step": np.array([s for s, _ in evals]),
-            "progress/eval_loss": np.stack([e for _, e in evals]),
+            **{f"progress/eval/{k}": np.stack([e[k] for _, e in evals]) for k in evals[0][1]},
             "progress/chunk_seconds": np.array(chunk_s), "progress/seconds": np.float64(seconds)}
 
 
@@ -154,14 +160,16 @@ def read_progress(path: pathlib.Path, like) -> tuple:
     """(state, metrics, evals, chunk seconds, seconds) from a progress file, the state placed as
     `like` is."""
     state, extra = load_state(path, like)
-    if not {"progress/eval_step", "progress/eval_loss", "progress/chunk_seconds",
+    if not {"progress/eval_step", "progress/eval/eval_loss", "progress/chunk_seconds",
             "progress/seconds"} <= extra.keys():
         raise UserError(f"{path} holds a state but not its metrics: remove it (the LR then "
                         "trains from its start)")
     state = jax.tree.map(lambda a, b: jax.device_put(a, b.sharding), state, like)
     out = {k.removeprefix("progress/metric/"): [v] for k, v in extra.items()
            if k.startswith("progress/metric/")}
-    evals = list(zip(extra["progress/eval_step"].tolist(), extra["progress/eval_loss"]))
+    names = [k.removeprefix("progress/eval/") for k in extra if k.startswith("progress/eval/")]
+    evals = [(s, {k: extra[f"progress/eval/{k}"][i] for k in names})
+             for i, s in enumerate(extra["progress/eval_step"].tolist())]
     return (state, out, evals, [tuple(c) for c in extra["progress/chunk_seconds"]],
             float(extra["progress/seconds"]))
 
@@ -313,9 +321,11 @@ def outcomes(g: Group, members: list[tuple[float, int, dict, int]]) -> list[dict
             "skipped_steps": int(np.sum(a["skipped"][i])) if "skipped" in a else 0,
             "final_loss_100": float(np.nanmean(loss[-100:])),
             "finite": bool(np.all(np.isfinite(loss))),
-        } | ({"guard_actions": int(a["guard_actions"][i]), "recomputed_steps":
-              int(a["recomputed"][i]), "escalated_at": int(a["escalated_at"][i]),
-              "data_records": int(a["data_records"][i])} if "recomputed" in a else {}))
+        } | {f"final_{k}": [round(float(x), 4) for x in a[k][i][-1]]  # per layer, at the end
+             for k in PROBE_KEYS if k in a} | (
+            {"guard_actions": int(a["guard_actions"][i]), "recomputed_steps":
+             int(a["recomputed"][i]), "escalated_at": int(a["escalated_at"][i]),
+             "data_records": int(a["data_records"][i])} if "recomputed" in a else {}))
     return rows
 
 

@@ -745,3 +745,39 @@ def test_foresight_measures_a_planted_warning_and_its_absence():
     assert list(sig["qk-entropy-drop"][[50, 150, 250, 299]]) == [-np.inf, 0.0, 0.5, 0.5]
     del c["wq_entropy"]
     assert "qk-entropy-drop" not in F.signals(c)
+
+
+# ---------------------------------------------------------------------------------------------
+# lab/probe.py: the attention sink and the gate's figures
+
+def test_the_probe_reads_the_sink_and_the_gate_from_the_models_own_layers():
+    """The sink equals a NumPy restatement of layer 0's causal softmax (mass on key 0 over
+    queries 1..T-1); Marin's zero-initialised gate is exactly 1 with weight norm 0, and a
+    non-zero gate weight moves both; the harness keeps the probe per evaluation and layer."""
+    from lab import probe as PR
+    from model import init_params, qkv, rms_norm
+    cfg = RW.Group("p", d_model=32, n_layers=2, model=RW.GATE).config().model
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (3, 10), 0, cfg.vocab_size)
+    with jax.set_mesh(H.one_device_mesh()):  # as the harness calls it
+        got = jax.jit(lambda p, t: PR.probe(p, t, cfg))(params, tokens)
+    assert {k: v.shape for k, v in got.items()} == {k: (2,) for k in PR.PROBE_KEYS}
+    p0 = {k: v[0] for k, v in params["layers"].items()}
+    h = rms_norm(params["embed"][tokens], p0["attn_norm"], cfg.norm_eps)
+    q, k, _ = (np.asarray(x, np.float64) for x in qkv(h, p0, cfg))
+    q = q.reshape(3, 10, cfg.n_kv_heads, -1, q.shape[-1])  # [B, T, K, G, H]
+    s = np.einsum("btkgh,bskh->bkgts", q, k) / np.sqrt(q.shape[-1])
+    s = np.where(np.tril(np.ones((10, 10), bool)), s, -np.inf)
+    probs = np.exp(s - s.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    np.testing.assert_allclose(got["probe_sink"][0], probs[..., 1:, 0].mean(), rtol=1e-5)
+    assert np.all(got["probe_gate_mean"] == 1.0) and np.all(got["probe_gate_norm"] == 0.0)
+    params["layers"]["w_attn_gate"] = params["layers"]["w_attn_gate"] + 0.1
+    with jax.set_mesh(H.one_device_mesh()):
+        moved = PR.probe(params, tokens, cfg)
+    assert np.all(moved["probe_gate_norm"] > 0) and np.all(moved["probe_gate_mean"] != 1.0)
+    g = RW.Group("probed", d_model=32, n_layers=1, steps=4, warmup_steps=2, lrs=(1e-2,),
+                 seeds=(0, 1), batch_size=8, seq_len=32)
+    a = H.train_members(g.config(), g.seeds, chunk=2, eval_every=2, log=lambda s: None)
+    assert a["probe_sink"].shape == (2, 2, 1) and np.all((a["probe_sink"] > 0)
+                                                          & (a["probe_sink"] < 1))
