@@ -12,6 +12,16 @@ an event means.
   max(RECOVERY_TOL nats, the noise of the smoothed loss) of the level before it; a shift not
   back by the run's end is right-censored there, not "never": recovery is reported as a
   survival table (survival()).
+- Recovery against the twin (issue 53, fixed before recomputing): the shift's own end is what
+  the rule above measures, so every "recovered" step is where the shift rule's event ends. The
+  counterfactual is the stable twin (QK-Norm, same seed, same data): a shift is back at the first
+  step where the smoothed gap to the twin (baseline minus twin, each a RECOVERY_SMOOTH-step
+  trailing mean) is within max(RECOVERY_TOL, its noise) of its mean over the RECOVERY_WINDOW
+  steps before the shift; not back by the end, censored there (recovery_vs_twin()).
+- The held-out figure (issue 53, fixed before recomputing): the mean of the evaluations in the
+  run's last HELD_OUT_LAST steps (at the story's 250-step evals: 3,250 to 4,000), not the last
+  eval alone, which moves by 0.03 between two evals at a constant LR (held_out()). A fork's
+  evals count from its fork step.
 - A mid-run arm (QK-Norm inserted, QK-Clip switched on) is judged on the spliced curve: its
   source's steps up to the insertion, then its own, events counted from the insertion on, so
   the detectors are armed at its first step (spliced()).
@@ -108,6 +118,48 @@ def recovery(loss: np.ndarray, shift_step: int, pre_level: float, smooth: int = 
     if len(back):
         return int(back[0]) + 1, True
     return len(x) - 1 - shift_step, False
+
+
+RECOVERY_SMOOTH, RECOVERY_WINDOW = 20, 100
+
+
+def recovery_vs_twin(loss: np.ndarray, twin_loss: np.ndarray, shift_step: int,
+                     smooth: int = RECOVERY_SMOOTH, window: int = RECOVERY_WINDOW,
+                     tol: float = RECOVERY_TOL) -> tuple[int, bool]:
+    """(steps, recovered) of a level shift at `shift_step` judged against the stable twin: the
+    smoothed gap (loss minus twin_loss, each a `smooth`-step trailing mean) opens past max(tol,
+    its noise) above its mean over the `window` steps before the shift (its noise: the raw
+    gap's standard deviation there over sqrt(smooth)); the steps from the shift until it is
+    back within that, or (0, True) where it never opens (the twin moved with it); not back by
+    the end, the steps observed (censored). A non-finite loss is not back."""
+    x, t = np.asarray(loss, np.float64), np.asarray(twin_loss, np.float64)
+    n = min(len(x), len(t))
+    gap = smoothed(x[:n], smooth) - smoothed(t[:n], smooth)
+    raw = (x[:n] - t[:n])[max(shift_step - window, 0):shift_step]
+    raw = raw[np.isfinite(raw)]
+    before = gap[max(shift_step - window, 0):shift_step]
+    pre = float(np.mean(before[np.isfinite(before)])) if np.isfinite(before).any() else np.nan
+    noise = np.std(raw, ddof=1) / math.sqrt(smooth) if len(raw) > 1 else 0.0
+    with np.errstate(invalid="ignore"):
+        within = gap <= pre + max(tol, noise)
+    away = np.nonzero(~within[shift_step:])[0]  # the gap first opens (NaN: open)
+    if not len(away):
+        return 0, True  # the twin moved with it: the gap never opened
+    back = np.nonzero(within[shift_step + away[0]:])[0]
+    if len(back):
+        return int(away[0] + back[0]), True
+    return n - 1 - shift_step, False
+
+
+HELD_OUT_LAST = 1000
+
+
+def held_out(eval_step, eval_loss, steps: int, last: int = HELD_OUT_LAST) -> float:
+    """The held-out figure: the mean of the evals at steps > steps - `last` (a run's last
+    `last` steps); the last eval where none falls there."""
+    s, v = np.asarray(eval_step), np.asarray(eval_loss, np.float64)
+    keep = s > steps - last
+    return float(np.mean(v[keep])) if keep.any() else float(v[-1])
 
 
 def survival(recoveries: list[tuple[int, bool]], at=(100, 250, 500, 1000)) -> list[dict]:
