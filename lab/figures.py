@@ -7,12 +7,11 @@ z-loss rows' and the 8-seed evidence's.
 
 import math
 import pathlib
-import warnings
 
 import numpy as np
 
 from lab.harness import read_curve, seed_curve
-from lab.rows import EXPERIMENTS, LEVERS, LOGITS, PANELS, SEARCH_NAMES, STORY
+from lab.rows import EXPERIMENTS, LEVERS, LOGITS, SEARCH_NAMES, STORY
 from lab.stats import bootstrap, ema
 from lab.tables import mechanism, sweep_rows, width_rows, zloss_rows
 from report import (
@@ -54,27 +53,6 @@ def plot(record: dict, out: pathlib.Path) -> pathlib.Path:
     return save_figure(fig, out / "search.png", dpi=100)
 
 
-def seed_curves(ax, runs: dict, key: str, color, label: str, log: bool = False, raw=True):
-    """Raw mean faint, EMA of the mean bold, band between the seeds' EMAs (min to max); the
-    seeds aligned by step (a warm start begins at a different step in each seed)."""
-    first = min(int(m["step"][0]) for m in runs.values())
-    steps = np.arange(first, max(int(m["step"][-1]) for m in runs.values()) + 1)
-    ys = np.full((len(runs), len(steps)), np.nan)
-    for y, m in zip(ys, runs.values()):
-        v = np.asarray(m[key], dtype=np.float64)
-        y[np.asarray(m["step"], dtype=int) - first] = v.reshape(len(v), -1).max(axis=1)
-    if log:
-        ys = np.log10(np.where(ys > 0, ys, np.nan))
-    smooth = np.array([np.where(np.isfinite(y), ema(y), np.nan) for y in ys])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # steps no seed has reached yet
-        if raw:
-            ax.plot(steps, np.nanmean(ys, axis=0), color=color, lw=0.5, alpha=0.25)
-        ax.fill_between(steps, np.nanmin(smooth, axis=0), np.nanmax(smooth, axis=0),
-                        color=color, alpha=0.2, lw=0)
-        ax.plot(steps, np.nanmean(smooth, axis=0), color=color, lw=1.6, label=label)
-
-
 def figures(metrics: dict, rows: dict, out: pathlib.Path) -> list[pathlib.Path]:
     plt = pyplot()
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3
@@ -83,37 +61,8 @@ def figures(metrics: dict, rows: dict, out: pathlib.Path) -> list[pathlib.Path]:
     def save(fig, name):
         paths.append(save_figure(fig, out / name, dpi=100))
 
-    def panels(names, title, name):
-        fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True,
-                                 gridspec_kw={"height_ratios": [3, 2, 2]})
-        for run, color in zip([n for n in names if n in metrics], colors):
-            seed_curves(axes[0], metrics[run], "loss", color, run)
-            seed_curves(axes[1], metrics[run], "update_norm", color, run, log=True, raw=False)
-            seed_curves(axes[2], metrics[run], "attn_logit_max", color, run, log=True,
-                        raw=False)
-        for ax in axes:
-            ax.grid(alpha=0.3)
-        axes[0].set_ylabel("train loss (nats/byte)")
-        axes[0].set_title(title, fontsize=10)
-        axes[0].legend(fontsize=8, ncol=2)
-        lo = min(np.nanmin(ema(m["loss"])[50:]) for n in names if n in metrics
-                 for m in metrics[n].values())
-        axes[0].set_ylim(lo - 0.1, lo + 1.4)
-        axes[1].set_ylabel("log10 update norm")
-        axes[2].set_ylabel("log10 max |attn logit|")
-        axes[2].set_xlabel("step")
-        save(fig, name)
-
-    seeds = f"{len(next(iter(metrics.values())))} seeds"
     def drawn_in(panel):
         return [e.name for e in EXPERIMENTS if panel in e.panels and e.name in metrics]
-
-    for panel, (file, title) in PANELS.items():
-        names = drawn_in(panel)
-        if not names:
-            continue
-        panels(names, f"{title}\n{seeds}: the mean's EMA, a band from the lowest to the highest "
-               "seed's", file)
 
     grid = drawn_in(LOGITS)
     if grid:
@@ -290,6 +239,9 @@ def plot_levers(record: dict, out: pathlib.Path) -> pathlib.Path:
         ax.set_title(name.removeprefix("story-"), fontsize=9)
         ax.set_ylim(1.4, 2.8)
         ax.grid(alpha=0.3)
+        ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel("train loss, EMA 20\n(nats/byte)", fontsize=8)
+        ax.tick_params(labelbottom=True, labelleft=True, labelsize=7)
     for ax in axes.flat[len(done):]:
         ax.axis("off")
     axes[0, 0].legend(fontsize=7)
@@ -303,7 +255,7 @@ def plot_evidence(rows: list[dict], out: pathlib.Path) -> pathlib.Path:
     """results/evidence.png: per seed, the baseline's train loss (raw, faint; EMA 20, bold)
     against its QK-Norm twin's and, where it ran, QK-Norm inserted mid-run (from its step);
     the baseline's episodes after S1 marked: level shifts (x), one-step spikes (o), hard
-    batches (open o: the twin jumped there too)."""
+    batches (open grey squares: the twin jumped there too); the insertion step (dash-dot)."""
     plt = pyplot()
     by = {r["group"]: r for r in rows}
     base = by["story8"]
@@ -322,11 +274,13 @@ def plot_evidence(rows: list[dict], out: pathlib.Path) -> pathlib.Path:
             f = seed_curve("story8-qk-inserted", seed)
             ax.plot(f["step"], ema(f["loss"]), color="C2", lw=1.0,
                     label=f"QK-Norm inserted at {f['first_step']}")
+            ax.axvline(f["first_step"], color="C2", lw=0.8, ls="-.")  # its own bump follows
         y = ema(b["loss"])
-        for e in p["episodes"]:
-            style = ("x", 8, "C3") if e.level_shift else ("o", 4, "C1")
-            ax.plot(e.start, y[e.start], style[0], ms=style[1], color=style[2],
-                    mfc="none" if e.hard_batch else style[2])
+        for e in p["episodes"]:  # hard batches grey squares, apart from the instabilities
+            style = (("s", 6, "0.45") if e.hard_batch else
+                     ("x", 9, "C3") if e.level_shift else ("o", 5, "C1"))
+            ax.plot(e.start, y[e.start] + 0.08, style[0], ms=style[1], color=style[2],
+                    mfc="none" if e.hard_batch else style[2], mew=1.5)
         ax.axvline(p["s1"], color="0.6", lw=0.8, ls=":")
         ax.set_title(f"seed {seed} (S1 {p['s1']})", fontsize=9)
         ax.set_xlabel("step")
@@ -336,8 +290,10 @@ def plot_evidence(rows: list[dict], out: pathlib.Path) -> pathlib.Path:
         ax.legend(fontsize=6, loc="upper right")
     for ax in axes.flat[n:]:
         ax.axis("off")
-    fig.suptitle(f"the story regime, {n} seeds: the baseline (blue; raw faint, EMA 20 bold) "
+    fig.suptitle(f"the story regime, {n} seeds: the baseline (blue; raw faint, EMA 20 bold)\n"
                  "against its QK-Norm twin (dashed); S1 (dotted): the baseline's last held-out "
-                 "eval within 0.05 nats of the twin's;\nepisodes after S1: x level shift, "
-                 "o one-step spike, open o a hard batch (the twin jumped there too)", fontsize=10)
+                 "eval within 0.05 nats of the twin's;\nQK-Norm inserted (green, dash-dot line: "
+                 "the insertion step);\nepisodes after S1, marked just above the curve: x level "
+                 "shift, filled o one-step spike, open grey square a hard batch (the twin jumped "
+                 "there too)", fontsize=10)
     return save_figure(fig, out / "evidence.png", dpi=80)

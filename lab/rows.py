@@ -120,7 +120,7 @@ class Experiment:
     flags: tuple[str, ...] = ()  # train.py flags on top of the preset
     preset: str = STORY_PRESET
     baseline: str | None = "baseline"  # the row its held-out loss is compared with
-    panels: tuple[str, ...] = ("rescue",)  # the figures (PANELS) it is drawn in
+    panels: tuple[str, ...] = ()  # LOGITS: drawn in attn_logits_per_layer.png
     # How its runs start: "train" from scratch; "rescue": QK-Norm inserted by warmstart.py into
     # `source` at the first checkpoint after its first event (start_step); "switch": `source`
     # resumed from that checkpoint with `flags` added (a setting a resume may switch on,
@@ -133,33 +133,23 @@ class Experiment:
 
 LOGITS = "logits"  # a row drawn in attn_logits_per_layer.png (its first seed's layers)
 EXPERIMENTS = [
-    Experiment("baseline", baseline=None, panels=("rescue", LOGITS)),
+    Experiment("baseline", baseline=None, panels=(LOGITS,)),
     # Mid-run, after the baseline's first level shift: QK-Norm inserted, QK-Clip switched on;
     # the batches before its largest event replaced
-    Experiment("rescue", panels=("rescue", LOGITS), start="rescue", source="baseline"),
+    Experiment("rescue", panels=(LOGITS,), start="rescue", source="baseline"),
     Experiment("qk-clip-switched-on", ("--optim.qk-clip", "100"), start="switch",
                source="baseline"),
     Experiment("replace-batches", start="replace", source="baseline"),
     # The guard (guard.py): rollback and data replacement only, then with escalation to QK-Norm
     Experiment("guard", ("--guard",)),
-    Experiment("guard-escalate", ("--guard", "--guard.escalate", "qk-norm"),
-               panels=("rescue", LOGITS)),
+    Experiment("guard-escalate", ("--guard", "--guard.escalate", "qk-norm"), panels=(LOGITS,)),
     # The 32B's configuration (clip 0.2, skip-step, update-norm clip), then QK-Norm inserted
     Experiment("marin-32b", ("--optim.max-grad-norm", "0.2", "--optim.skip-step",
-                             "--optim.update-clip", "norm"), panels=("marin-32b",)),
-    Experiment("rescue-marin-32b", baseline="marin-32b", panels=("marin-32b",), start="rescue",
-               source="marin-32b"),
+                             "--optim.update-clip", "norm")),
+    Experiment("rescue-marin-32b", baseline="marin-32b", start="rescue", source="marin-32b"),
 ]
 BY_NAME = {e.name: e for e in EXPERIMENTS}
 NAMES = list(BY_NAME)
-# The figures: name -> (file, title); each draws the rows that name it in `panels`.
-PANELS = {
-    "rescue": ("qk_norm_and_rescue.png", "the baseline; QK-Norm inserted and QK-Clip switched "
-               "on after its first level shift,\nthe batches before its largest event "
-               "replaced; the guard (rollback; rollback, then QK-Norm)"),
-    "marin-32b": ("marin_32b_and_rescue.png", "the 32B's configuration (clip 0.2, skip-step, "
-                  "update-norm clip);\nQK-Norm inserted into it after its first level shift"),
-}
 
 
 # ---------------------------------------------------------------------------------------------
