@@ -249,8 +249,8 @@ def run_all(names: list[str], seeds: list[int], jobs: int) -> dict:
 # The evidence: rates with intervals over seeds, from the stored curves only (report.py's rules)
 
 
-RERUN_KEYS = ("level_shift_episodes", "instability_episodes", "episodes", "unrecovered", "eval",
-              "max_logit")
+RERUN_KEYS = ("level_shift_episodes", "instability_episodes", "episodes", "unrecovered",
+              "unrecovered_twin", "eval", "max_logit")
 
 
 def first_parting(stored: np.ndarray, again: np.ndarray) -> int | None:
@@ -316,6 +316,7 @@ def rerun(name: str, seed: int, steps: int | None = None, log=print) -> dict:
              "instability_episodes": k * sum(not e.hard_batch for e in p["episodes"]),
              "episodes": k * len(p["episodes"]),
              "unrecovered": float(any(not ok for _, ok in p["recoveries"])),
+             "unrecovered_twin": float(any(not ok for _, ok in p["recoveries_twin"])),
              "eval": p["eval"], "max_logit": p["max_logit"]}
     row = next(r for r in evidence_rows(record) if r["group"] == name)
     for key in RERUN_KEYS:

@@ -34,8 +34,10 @@ from lab.stats import (
     compare,
     episodes,
     first_match,
+    held_out,
     mark_hard_batches,
     recovery,
+    recovery_vs_twin,
     spliced,
     spread,
     survival,
@@ -571,10 +573,13 @@ def judged(g: Group, seed: int, base: str, twin: str, curve: dict | None = None,
         eps = mark_hard_batches(eps, t["loss"], twin_shifts)
     steps = len(m["loss"]) - after
     rec = [recovery(m["loss"], e.step, e.pre_level) for e in shifts]
+    rec_twin = [recovery_vs_twin(m["loss"], t["loss"], e.step) for e in shifts] \
+        if g.name != twin else []
     return {"seed": seed, "s1": s1, "from": after, "steps": steps, "episodes": eps,
-            "recoveries": rec, "old_spikes": len(spikes), "old_shifts": len(shifts),
-            "old_never": sum(e.recovered_after is None for e in shifts),
-            "eval": float(m["eval_loss"][-1]),
+            "recoveries": rec, "recoveries_twin": rec_twin, "old_spikes": len(spikes),
+            "old_shifts": len(shifts), "old_never": sum(e.recovered_after is None for e in shifts),
+            "eval": held_out(m["eval_step"], m["eval_loss"], g.steps),
+            "eval_last": float(m["eval_loss"][-1]),
             "max_logit": float(np.nanmax(m["attn_logit_max"][after:]))}
 
 
@@ -601,7 +606,10 @@ def evidence_rows(record: dict, base: str = "story8", twin: str = "story8-qk",
             "with_shift": [float(any(e.level_shift for e in p["episodes"])) for p in per],
             "hard_batches": [sum(bool(e.hard_batch) for e in p["episodes"]) for p in per],
             "unrecovered": [float(any(not ok for _, ok in p["recoveries"])) for p in per],
+            "unrecovered_twin": [float(any(not ok for _, ok in p["recoveries_twin"]))
+                                 for p in per],
             "eval": [p["eval"] for p in per],
+            "eval_last": [p["eval_last"] for p in per],
             "max_logit": [p["max_logit"] for p in per],
             "old_spikes": [p["old_spikes"] for p in per],
             "old_shifts": [p["old_shifts"] for p in per],
@@ -615,7 +623,10 @@ def evidence_rows(record: dict, base: str = "story8", twin: str = "story8-qk",
                      "cpu": record["groups"][g.name].get("machine", {}).get("cpu", "?"),
                      **{key: {"values": [float(x) for x in v], "mean": float(np.mean(v)),
                               "ci": bootstrap(v)} for key, v in stats.items()},
-                     "survival": survival([r for p in per for r in p["recoveries"]])})
+                     "survival": survival([r for p in per for r in p["recoveries"]]),
+                     "survival_twin": survival([r for p in per for r in p["recoveries_twin"]]),
+                     **{f"censored{k}": sorted(n for p in per for n, ok in p[f"recoveries{k}"]
+                                               if not ok) for k in ("", "_twin")}})
     return rows
 
 
@@ -644,11 +655,13 @@ def s1_markdown(record: dict, groups=("story8", "story8-qk", "story8-marin-32b",
         first = min((e.start for e in p["episodes"] if e.level_shift), default=None)
         if first is not None:  # the gap at the last eval before the first level shift
             i = max(i for i, x in enumerate(b["eval_step"]) if x <= first)
-            before.append((p["seed"], float(gap[i]), float(gap[-1])))
+            end = held_out(b["eval_step"], gap, len(b["loss"]))  # the held-out figures' gap
+            before.append((p["seed"], float(gap[i]), end))
     lines.append(f"\nHeld-out at step 1,000, the baseline minus its QK-Norm twin, per seed: "
                  f"{', '.join(f'{x:+.3f}' for x in gaps)} ({sum(x > 0 for x in gaps)} of "
                  f"{len(gaps)} behind). In the seeds with a level shift, the gap at the last "
-                 "eval before the first one against the gap at the end: "
+                 "eval before the first one against the gap at the end (the held-out figure's: "
+                 "the mean over the last 1,000 steps' evals): "
                  + ", ".join(f"seed {s} {a:+.3f} of {z:+.3f}" for s, a, z in before) + ".")
     return "\n".join(lines)
 
@@ -696,9 +709,10 @@ def evidence_markdown(rows: list[dict]) -> str:
             "story8-rerun": "baseline again (final code)"}
     lines = ["| run | seeds | seeds with a level-shift episode | level-shift episodes / 1k "
              "steps | instability episodes / 1k steps (not a hard batch) | all episodes / 1k "
-             "steps (hard batches in all) | seeds with a shift not back at the end | held-out "
-             "(nats/byte) | max attn logit | old rules: spikes, shifts, \"never\" per seed |",
-             "|---" * 10 + "|"]
+             "steps (hard batches in all) | seeds with a shift not back at the end: to its own "
+             "level / against the twin | held-out (nats/byte): the last 1,000 steps' evals "
+             "(the last eval alone) | max attn logit | old rules: spikes, shifts, \"never\" per "
+             "seed |", "|---" * 10 + "|"]
     for r in rows:
         twin = r["group"] == "story8-qk"
         lines.append(
@@ -706,20 +720,35 @@ def evidence_markdown(rows: list[dict]) -> str:
             f"{cell(r, 'with_shift', '{:.0%}')} | {cell(r, 'level_shift_episodes')} | "
             f"{'(the twin)' if twin else cell(r, 'instability_episodes')} | "
             f"{cell(r, 'episodes')} ({'—' if twin else int(sum(r['hard_batches']['values']))}) | "
-            f"{cell(r, 'unrecovered', '{:.0%}')} | "
-            f"{cell(r, 'eval', '{:.3f}')} | {cell(r, 'max_logit', '{:,.0f}')} | "
+            f"{cell(r, 'unrecovered', '{:.0%}')} / "
+            f"{'—' if twin else cell(r, 'unrecovered_twin', '{:.0%}')} | "
+            f"{cell(r, 'eval', '{:.3f}')} ({np.mean(r['eval_last']['values']):.3f}) | "
+            f"{cell(r, 'max_logit', '{:,.0f}')} | "
             f"{np.mean(r['old_spikes']['values']):.1f}, {np.mean(r['old_shifts']['values']):.1f}, "
             f"{np.mean(r['old_never']['values']):.1f} |")
-    lines.append("\nRecovery of the level shifts (back within max(0.05 nats, the smoothed loss's "
-                 "noise) of the level before; a shift whose run ended first is censored), share "
-                 "not back after k steps (at risk):\n")
-    lines += ["| run | " + " | ".join(f"k = {x['k']}" for x in rows[0]["survival"]) + " |",
-              "|---" * (1 + len(rows[0]["survival"])) + "|"]
+    lines.append("\nRecovery of the level shifts, share not back after k steps (at risk; a "
+                 "shift whose run ended first is censored): by the old rule, back within "
+                 "max(0.05 nats, the smoothed loss's noise) of the level before (the shift's own "
+                 "end), against the rule fixed since, back where the smoothed gap to the QK-Norm "
+                 "twin (same seed, same data) closes to within max(0.05, its noise) of the gap "
+                 "before the shift:\n")
+    ks = [x["k"] for x in rows[0]["survival"]]
+    lines += ["| run | shifts; censored (their follow-up, steps): own level / vs twin | "
+              + " | ".join(f"k = {k}: own level / vs twin" for k in ks) + " |",
+              "|---" * (2 + len(ks)) + "|"]
+
+    def share(x):
+        return "—" if not x["at_risk"] else f"{x['share_not_back']:.0%} ({x['at_risk']})"
     for r in rows:
-        lines.append(f"| {name.get(r['group'], r['group'].removeprefix('story8-'))} | "
-                     + " | ".join("—" if not x["at_risk"] else
-                                  f"{x['share_not_back']:.0%} ({x['at_risk']})"
-                                  for x in r["survival"]) + " |")
+        if r["group"] == "story8-qk":
+            continue
+        n = sum(len(p["recoveries_twin"]) for p in r["per_seed"])
+        cens = [f"{len(c)}" + (f" ({', '.join(map(str, c))})" if c else "")
+                for c in (r["censored"], r["censored_twin"])]
+        lines.append(f"| {name.get(r['group'], r['group'].removeprefix('story8-'))} | {n}; "
+                     f"{cens[0]} / {cens[1]} | "
+                     + " | ".join(f"{share(a)} / {share(b)}" for a, b in
+                                  zip(r["survival"], r["survival_twin"])) + " |")
     for r in rows:
         if r.get("guard"):
             gd = r["guard"]
