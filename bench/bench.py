@@ -723,10 +723,10 @@ STORY_STEPS_PER_TURN = 50  # a story step is ~1/15 of a cpu-preset step
 
 def story_main(args) -> int:
     """The story preset's step (d_model 64, 16 x 128 tokens: a few GFLOP, so dispatch, host
-    reads and bookkeeping could weigh), timed six ways in this one process: the compiled step
+    reads and bookkeeping could weigh), timed eight ways in this one process: the compiled step
     alone (no host read), without the per-layer metrics, with the q/k spectral entropy too,
-    reading each step's metrics to the host as train.py's loop does (four timers in turns,
-    medians of the rounds); the whole train.py loop
+    reading each step's metrics to the host as train.py's loop does, with the attention gate
+    headwise and elementwise (six timers in turns, medians of the rounds); the whole train.py loop
     (batches, the metrics file, evals and checkpoints every 250 steps); the search harness per
     member-step (search.py: 3 seeds in one vmapped step, 50 steps a dispatch)."""
     jax.monitoring.register_event_duration_secs_listener(count_compile)
@@ -741,10 +741,14 @@ def story_main(args) -> int:
                     cfg, per_layer_metrics=False)),
                 "with the q/k spectral entropy too": step_spec(dataclasses.replace(
                     cfg, spectral_metrics=True)),
-                "reading the metrics each step": step_spec(cfg, read=True)}
+                "reading the metrics each step": step_spec(cfg, read=True),
+                **{f"with the attention gate ({gate}, Marin's form)": step_spec(
+                    dataclasses.replace(cfg, model=dataclasses.replace(
+                        cfg.model, attn_gate=gate, attn_gate_form="marin")))
+                   for gate in ("headwise", "elementwise")}}
     with tempfile.TemporaryDirectory() as tmp:
-        print(f"1/3 the compiled step, four ways in turns ({args.rounds} rounds of {n} steps)",
-              flush=True)
+        print(f"1/3 the compiled step, {len(variants)} ways in turns ({args.rounds} rounds of "
+              f"{n} steps)", flush=True)
         timers = {name: variant_timer(spec, pathlib.Path(tmp) / str(i))
                   for i, (name, spec) in enumerate(variants.items())}
         rounds = {name: [] for name in timers}
