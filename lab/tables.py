@@ -19,6 +19,7 @@ from lab.harness import read_curve, seed_curve
 from lab.rows import (
     EVIDENCE_GROUPS,
     KNOBS,
+    KNOBS_COSTLY,
     LEVER_BREAKS,
     LEVERS,
     SENSITIVITY_LRS,
@@ -363,13 +364,18 @@ def widths_answer(rows: list[dict]) -> list[str]:
 HALF_DECADE = 0.53
 
 
+D64 = "d_model 64, "  # a knob tried one width up is compared with that width as it is
+
+
 def knob_rows(record: dict) -> list[dict]:
     """When is QK-Norm necessary? Per knob (d_model 32's proxy as it is, then each of KNOBS)
     and arm run so far, its grid(): the distance best LR -> break LR in decades, and each
     seed's own distance (its break over its best; None where it did not break)."""
     rows = []
     for tag, names in [("as it is", ("width32", "width32-qk"))] + [
-            (tag, (f"width32-{tag}", f"width32-{tag}-qk")) for tag in KNOBS]:
+            (tag, (f"width32-{tag}", f"width32-{tag}-qk")) for tag in (*KNOBS, *KNOBS_COSTLY)] + [
+            (D64 + "as it is", ("width64", "width64-qk")),
+            (D64 + "wd0", ("width64-wd0", "width64-wd0-qk"))]:
         for qk, name in zip((False, True), names):
             if (r := grid(record, [name])) is None:
                 continue
@@ -387,8 +393,8 @@ def knobs_markdown(record: dict) -> str:
     rows = knob_rows(record)
     if not rows:
         return "no knob run yet (python -m lab.experiments width32-b2.999 width32-b2.999-qk ...)"
-    lines = ["| knob (d_model 32) | QK-Norm | best LR (each seed's) | break LR (each seed's) | "
-             "best to break, decades (each seed's) | max attn logit at the break |",
+    lines = ["| knob (d_model 32 unless named) | QK-Norm | best LR (each seed's) | break LR (each "
+             "seed's) | best to break, decades (each seed's) | max attn logit at the break |",
              "|---" * 6 + "|"]
     for r in rows:
         seeds = ", ".join("—" if d is None else f"{d:.1f}" for d in r["seed_decades"])
@@ -408,11 +414,11 @@ def knobs_answer(rows: list[dict]) -> list[str]:
     decade of its own best LR while QK-Norm does not; else how far each knob narrows the
     baseline's distance against the proxy as it is."""
     by = {(r["knob"], r["qk_norm"]): r for r in rows}
-    base = by.get(("as it is", False))
     out = []
     for (knob, qk), r in by.items():
-        if qk or knob == "as it is":
+        if qk or knob.endswith("as it is"):
             continue
+        base = by.get((D64 + "as it is" if knob.startswith(D64) else "as it is", False))
         twin = by.get((knob, True))
         near = r["decades"] is not None and r["decades"] <= HALF_DECADE
         twin_ok = twin is not None and (twin["decades"] is None or twin["decades"] > HALF_DECADE)
