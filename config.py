@@ -276,16 +276,18 @@ def check_same_run(stored: TrainConfig, cfg: TrainConfig, taken: int = 0) -> Non
 
 
 def train_on(cfg: TrainConfig, taken: int) -> str:
-    """The command that trains a run on past its last step, where one works: raising --steps
-    on a resume, if the LR schedule of twice the steps gives the same LR at every step taken
-    (a constant schedule, or one whose decay has not begun); else what to do instead."""
+    """The command that trains a run on past its last step: raising --steps on a resume, where
+    the LR schedule of twice the steps gives the same LR at every step taken (a constant
+    schedule, or one whose decay has not begun); else, the LR having decayed, the warm start
+    with nothing inserted: the same state, the LR re-warmed from 0.1x over the run's warmup to
+    the longer schedule (Marin's way of extending a run)."""
     t = np.arange(taken)
     more = 2 * cfg.steps
     if np.array_equal(lr_schedule(cfg.optim, cfg.steps)(t), lr_schedule(cfg.optim, more)(t)):
         return f"train on: python train.py --resume {cfg.run_dir} --steps {more}"
-    return (f"its LR has decayed over its steps, so it cannot be trained on; a longer run is a "
-            f"new one (python train.py ... --steps {more} --run-dir {cfg.run_dir}-longer), "
-            "and --optim.decay-fraction 0.2 holds the LR until the last 20% of the steps")
+    return (f"train on (its LR has decayed: re-warmed): python warmstart.py --from "
+            f"{cfg.run_dir} --to {cfg.run_dir}-longer --insert none --rewarmup-steps "
+            f"{max(cfg.optim.warmup_steps, 1)} --steps {more}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2228,7 +2228,7 @@ def test_resume_by_run_directory_and_raise_the_steps_of_a_constant_schedule(tmp_
     T.train(cfg, devices=jax.devices()[:1])
     assert CF.train_on(cfg, 6) == f"train on: python train.py --resume {cfg.run_dir} --steps 12"
     decayed = tiny(tmp_path, steps=20)  # (its warmup: 5 steps; then it decays to the end)
-    assert "cannot be trained on" in CF.train_on(decayed, 20)
+    assert "python warmstart.py" in CF.train_on(decayed, 20)  # (the test below runs it)
     with pytest.raises(UserError, match="LR schedule"):
         CF.check_same_run(decayed, dataclasses.replace(decayed, steps=40), taken=20)
     CF.check_same_run(cfg, dataclasses.replace(cfg, steps=12), taken=6)  # accepted
@@ -2676,6 +2676,35 @@ def test_an_escalation_the_run_could_not_carry_out_is_refused_before_it_starts(
 
 # ---------------------------------------------------------------------------------------------
 # warmstart.py
+
+@pytest.mark.slow
+def test_a_decayed_run_trains_on_by_the_warm_start_its_end_line_suggests(straight_run,
+                                                                         tmp_path):
+    """Its LR decayed over all its steps, a run cannot be resumed with more steps; its end line
+    suggests warmstart.py --insert none instead, and that command, run as printed, trains on
+    from the last step: every leaf carried, the LR there 0.1x the peak, re-warmed to the
+    longer schedule, to the new last step."""
+    import shlex
+    src, _ = straight_run
+    line = CF.train_on(src, src.steps)
+    assert line.startswith("train on (its LR has decayed: re-warmed): python warmstart.py ")
+    argv = shlex.split(line.split("python warmstart.py ", 1)[1])
+    argv[argv.index("--to") + 1] = str(tmp_path / "longer")
+    args, overrides = W.parse_args(argv)
+    cfg = W.convert(args, overrides, devices=jax.devices()[:1])
+    assert cfg.model == src.model and cfg.steps == 2 * src.steps
+    old, new = leaves_by_key(restore_final(src, src.steps)), leaves_by_key(restore_final(cfg,
+                                                                                        src.steps))
+    assert old.keys() == new.keys() and all(np.array_equal(old[k], new[k]) for k in old)
+    T.train(cfg, devices=jax.devices()[:1])
+    m = R.read_metrics(cfg.run_dir)
+    assert m["step"][-1] == cfg.steps - 1
+    lr = dict(zip(m["step"].tolist(), m["lr"].tolist()))
+    peak, k = src.optim.lr, cfg.optim.rewarmup_steps
+    assert lr[src.steps] == pytest.approx(0.1 * peak, rel=1e-5)
+    want = float(O.lr_schedule(cfg.optim, cfg.steps)(src.steps + k))  # back on the schedule
+    assert lr[src.steps + k] == pytest.approx(want, rel=1e-5) and want > 0.1 * peak
+
 
 def leaves_by_key(state) -> dict:
     return {jax.tree_util.keystr(p): np.asarray(x)

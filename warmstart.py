@@ -2,6 +2,8 @@
 
     python warmstart.py --from runs/story --to runs/rescued
     python warmstart.py --from runs/story --to runs/gated --insert attn-gate
+    python warmstart.py --from runs/default --to runs/default-longer --insert none \
+        --rewarmup-steps 100 --steps 800       # train a decayed run on: the re-warmup alone
     python warmstart.py --from runs/story --to runs/rescued --step 2750 --rewarmup-steps 100 \
         --optim.max-grad-norm 0.2 --steps 5000 --no-train
 
@@ -60,8 +62,9 @@ class WarmStartArgs:
     rewarmup_steps: int = 1000  # Marin: 1,000
     rewarmup_from_ratio: float = 0.1  # Marin: from 0.1 x peak
     # what to insert: QK-Norm (Marin's rescue), the attention gate (Marin's form: exactly 1 at
-    # insertion, so the model's output is unchanged), or both
-    insert: Literal["qk-norm", "attn-gate", "qk-norm+attn-gate"] = "qk-norm"
+    # insertion, so the model's output is unchanged), both, or none: the same model with the LR
+    # re-warmed, Marin's way of training on a run whose LR has decayed (--steps beyond it)
+    insert: Literal["qk-norm", "attn-gate", "qk-norm+attn-gate", "none"] = "qk-norm"
     no_train: bool = False  # convert and stop
 
 
@@ -216,7 +219,8 @@ def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> TrainCon
     print(f"\n{len(carried)} leaves carried, {len(new)} new, {len(dropped)} dropped; step {step}")
     print(f"LR at step {step}: {lr_before:.3e} before, {lr_after:.3e} after (re-warmed linearly "
           f"to the schedule over {cfg.optim.rewarmup_steps} steps)")
-    print(f"held-out loss: {loss_before:.4f} before, {loss_after:.4f} with QK-Norm inserted "
+    what = "nothing inserted" if args.insert == "none" else f"{args.insert} inserted"
+    print(f"held-out loss: {loss_before:.4f} before, {loss_after:.4f} with {what} "
           f"({loss_after - loss_before:+.4f})")
     print(f"wrote {dst_run} (restore, carry, save: {seconds:.2f}s)")
     if step + cfg.optim.rewarmup_steps > cfg.steps:
