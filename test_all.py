@@ -3138,14 +3138,17 @@ def test_export_check_without_torch_says_so_before_writing_anything(straight_run
 
 
 @pytest.mark.slow
-def test_a_run_initialised_from_a_hf_folder_starts_from_its_weights(straight_run, tmp_path):
+def test_a_run_initialised_from_a_hf_folder_starts_from_its_weights(straight_run, tmp_path,
+                                                                    capsys):
     src, hf = straight_run[0], tmp_path / "hf"
     E.export(E.ExportArgs(run=src.run_dir, to=str(hf)))  # step 6
     hf_cfg = json.loads((hf / "config.json").read_text())
     del hf_cfg["rope_theta"]  # as transformers 5 saves a config: under rope_parameters only
     (hf / "config.json").write_text(json.dumps(hf_cfg))
     cfg = tiny(tmp_path, steps=1, init_from_hf=str(hf))
+    capsys.readouterr()
     T.train(cfg, devices=jax.devices()[:1])
+    assert f"parameters from the Hugging Face folder {hf}" in capsys.readouterr().out
     first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     with jax.set_mesh(mesh_of(1, 1)):  # the loss of batch 0 under the exported weights
         loss, _ = M.loss_fn(restore_final(src, 6)["params"], D.TokenData(cfg.data).batch(0),

@@ -268,6 +268,9 @@ def train(cfg: TrainConfig, devices=None) -> dict:
             say(f"new run {run_dir}: {n / 1e6:.2f}M params, {cfg.steps} steps, "
                 f"mesh {cfg.mesh.data}x{cfg.mesh.model} on {jax.process_count()} process(es), "
                 f"{data.train.size:,} training tokens")
+            if hf_params is not None:
+                say(f"parameters from the Hugging Face folder {cfg.init_from_hf} "
+                    f"({len(jax.tree.leaves(hf_params))} tensors; Adam's moments at zero)")
         if later and jax.process_index() == 0:
             aside = guard.set_aside(run_dir, events, later, time.strftime("%Y%m%d-%H%M%S"))
             say(f"moved the guard's {len(later)} later action(s) aside to {aside}")
