@@ -41,10 +41,14 @@ def parse(cls, args: list[str], **kwargs):
 def one_line(tyro_message: str) -> str:
     """tyro's boxed error (a title line, the message, a help pointer) as one line."""
     lines = [line.strip(" │╭╮╰╯─") for line in tyro_message.splitlines()]
-    lines = [line for line in lines if line and not line.startswith("For full helptext")]
+    lines = [line for line in lines if line.strip("-") and not line.startswith(
+        "For full helptext") and not line.endswith(" --help")]  # (rules: "-" off a terminal)
     text = " ".join(" ".join(lines[1:] or lines).split())
     text = re.sub(r"Error parsing (--\S+|[\w.]+): ", lambda m: m[1] + ": " if m[1][0] == "-"
                   else "", text)
+    # "Unrecognized options: --optim.lrr, 1 Perhaps ...": name the flags, not their values
+    text = re.sub(r"(Unrecognized options?: )((?:\S+, )*\S+)", lambda m: m[1] + ", ".join(
+        x for x in m[2].split(", ") if x.startswith("-")) + ";", text).removesuffix(";")
     return as_flags(text)
 
 

@@ -161,6 +161,21 @@ PRESETS = {
 }
 
 
+# What each preset is for (train.py --help)
+PRESET_USES = {
+    "cpu": "the default: d_model 256, 4 layers, 400 steps, a few minutes on 2 CPU cores",
+    "cpu-long": "the cpu model at seq 1,024 (blockwise attention), ~4 minutes",
+    "tiny": "d_model 64, 2 layers, 20 steps: the tests' model, seconds",
+    "story": "the spike story: d_model 64, a 1,000-step warmup to LR 5e-2; breaks in level "
+             "shifts without QK-Norm (~8 minutes)",
+    "marin-32b": "the real Marin 32B shape and optimizer, for --dry-run",
+}
+USAGE = ("Presets (the first word; the flags override it): "
+         + "; ".join(f"{k}: {v}" for k, v in PRESET_USES.items())
+         + ".\n--resume RUN (or RUN as the first word): go on with RUN's config.json, the flags "
+           "that may change on a resume after it.")
+
+
 def flatten(d: dict, prefix: str = "") -> dict:
     """{"optim": {"lr": 1e-3}} -> {"optim.lr": 1e-3}"""
     return {k2: v2 for k, v in d.items() for k2, v2 in
@@ -318,8 +333,7 @@ def parse_flags(default: TrainConfig, args: list[str], description: str = "") ->
     """tyro over TrainConfig with `default` as the defaults; a bad flag is a UserError.
     `--guard` alone is `--guard.on`."""
     args = ["--guard.on" if a == "--guard" else a for a in args]
-    cfg = parse(TrainConfig, args, default=default,
-                description=f"{description}\nPresets: {', '.join(PRESETS)}.")
+    cfg = parse(TrainConfig, args, default=default, description=f"{description}\n" + USAGE)
     given = [a.split("=")[0] for a in args if a.startswith("--guard.") and a != "--guard.on"]
     if given and not cfg.guard.on:
         raise UserError(f"{given[0]} is a setting of the guard, which is off: add --guard")

@@ -51,6 +51,7 @@ from collections import deque
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+from tyro.conf import FlagCreatePairsOff
 
 from cli import drop_torn_line, written_whole
 from report import ShiftRule, SpikeRule, acted, read_metrics
@@ -64,7 +65,8 @@ SPAN = 200  # steps of loss history the watch is rebuilt from (> the rules' 120)
 
 @dataclasses.dataclass(frozen=True)
 class GuardConfig:
-    on: bool = False  # `--guard`: watch the loss, roll back on a spike, a level shift, a NaN
+    # `--guard`: watch the loss, roll back on a spike, a level shift, a NaN
+    on: FlagCreatePairsOff[bool] = False
     spikes: bool = True  # act on one-step loss spikes (report.py's rule, its defaults)
     shifts: bool = True  # act on level shifts (report.py's rule, its defaults)
     margin: int = 20  # roll back to a checkpoint at least this many steps before the event

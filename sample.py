@@ -1,7 +1,6 @@
 """Text from a run's checkpoint: a jitted decode step over a KV cache.
 
-    python sample.py runs/default --prompt "def " --max-new-tokens 200 --temperature 0.8 \
-        --top-k 50 --seed 0
+    python sample.py runs/default --prompt "def " --max-new-tokens 200 --top-k 50
     python sample.py runs/default --step 200 --prompt "import " --temperature 0   # greedy
 
 The prompt is encoded with the run's tokenizer (`tokenizer.json` beside its data, as

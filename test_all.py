@@ -1893,6 +1893,8 @@ BAD_INPUTS = [
     ("train", ["--guard", "--guard.relapses", "0"], "--guard.relapses"),
     ("train", ["--guard.too-far", "later"], "--guard.too-far must be stop or go-on"),
     ("train", ["--seed", "-1"], "--seed must be >= 0, got -1"),
+    ("train", ["--optim.lrr", "1"], "Unrecognized options: --optim.lrr; Perhaps you meant: "
+     "--optim.lr FLOAT"),  # the flag named, not its value
     ("export", ["{trained}", "--to", "{short}/hf"], "short.txt is a file, not a folder"),
     ("export", ["{trained}", "--to", "{trained}/checkpoints/99"],
      "lies inside the checkpoints of the run"),
@@ -2019,6 +2021,7 @@ def test_bad_input_exits_2_and_writes_nothing(command, argv, message, bad_files,
     err = capsys.readouterr().err
     assert code == 2
     assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "-----" not in err and "--help\n" not in err  # (tyro's rules off a terminal)
     assert [tree_hashes(t) for t in trees] == before
     assert not (tmp_path / "run").exists()
 

@@ -2,10 +2,12 @@
 
     python warmstart.py --from runs/story --to runs/rescued
     python warmstart.py --from runs/story --to runs/gated --insert attn-gate
-    python warmstart.py --from runs/default --to runs/default-longer --insert none \
-        --rewarmup-steps 100 --steps 800       # train a decayed run on: the re-warmup alone
-    python warmstart.py --from runs/story --to runs/rescued --step 2750 --rewarmup-steps 100 \
-        --optim.max-grad-norm 0.2 --steps 5000 --no-train
+    python warmstart.py --from runs/story --to runs/rescued --step 2750 --rewarmup-steps 100
+    python warmstart.py --from runs/default --to runs/more --insert none --steps 800
+
+(the last: a decayed run trained on, the re-warmup alone, over --rewarmup-steps: 1,000 by
+default, fewer for a short run). Any train.py flag may follow (--steps 5000,
+--optim.max-grad-norm 0.2); --no-train converts and stops.
 
 What Marin did for its 32B at step 80,000: the same model plus QK-Norm, the whole train state
 restored from the old checkpoint (step, Adam moments and count, skip/clip histories), the new norm
@@ -65,7 +67,7 @@ class WarmStartArgs:
     # insertion, so the model's output is unchanged), both, or none: the same model with the LR
     # re-warmed, Marin's way of training on a run whose LR has decayed (--steps beyond it)
     insert: Literal["qk-norm", "attn-gate", "qk-norm+attn-gate", "none"] = "qk-norm"
-    no_train: bool = False  # convert and stop
+    no_train: tyro.conf.FlagCreatePairsOff[bool] = False  # convert and stop
 
 
 def parse_args(argv: list[str]) -> tuple[WarmStartArgs, list[str]]:
