@@ -64,6 +64,7 @@ def check_with_transformers(folder: pathlib.Path, cfg, params: dict) -> float:
     import torch
     import transformers
     tokens = TokenData(cfg.data, cfg.model.vocab_size).held_out_batches()[0, :1, :-1]
+    transformers.utils.logging.disable_progress_bar()  # its weight-loading bar: not our output
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
