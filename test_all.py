@@ -1716,6 +1716,27 @@ def test_a_dry_run_of_marin_32b_prints_the_bytes_per_device(capsys):
     total, per_device = C.per_device_bytes(cfg.model, CF.make_tx(cfg),
                                            dataclasses.asdict(cfg.mesh))
     assert total / 1024 < per_device < total / 1024 * 1.1  # 3 x 4 bytes x 32B, FSDP x TP
+    act = M.activation_bytes(cfg.model, 8192 // 256 * 4096, 4)
+    assert f"activations         {act / 2**30:.3f} GiB per device (131,072 tokens" in out
+    T.main(["marin-32b", "--dry-run", "--mesh.data", "256", "--mesh.model", "4",
+            "--microbatches", "8"])
+    assert f"activations         {act / 8 / 2**30:.3f} GiB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("batch,seq,d_model", [(64, 128, 64), (8, 512, 128)])
+def test_the_activation_estimate_is_a_lower_bound_on_xlas_temporaries(batch, seq, d_model):
+    """The dry run's activations (model.activation_bytes, from the shapes) against the memory
+    XLA plans for the compiled step's temporaries on one device: below it, within 3x."""
+    cfg = tiny(None, data__batch_size=batch, data__seq_len=seq, model__d_model=d_model,
+               model__d_ff=4 * d_model, model__n_layers=4)
+    tx, mesh = CF.make_tx(cfg), mesh_of(1, 1)
+    with jax.set_mesh(mesh):
+        tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32,
+                                      sharding=jax.NamedSharding(mesh, jax.P("data")))
+        step = T.make_train_step(cfg, tx).lower(C.abstract_state(cfg.model, tx, mesh), tokens)
+        temp = step.compile().memory_analysis().temp_size_in_bytes
+    est = M.activation_bytes(cfg.model, batch * seq)
+    assert est < temp < 3 * est
 
 # (command, argv, what the one-line error must say). {run} is a fresh run directory, {existing}
 # a tiny run's directory with a config.json, other {names} are files from `bad_files`. Every case

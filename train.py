@@ -67,7 +67,7 @@ from distributed import (
     start_distributed,
 )
 from hf import load_hf
-from model import count_params, flops_per_token, logical_to_spec, loss_fn
+from model import activation_bytes, count_params, flops_per_token, logical_to_spec, loss_fn
 from optim import lr_schedule, opt_metrics, per_layer_metrics
 from report import acted, describe, final_report, read_events
 from tracking import Tracker
@@ -171,6 +171,12 @@ def dry_run(cfg: TrainConfig) -> None:
     print(f"attention           {form} ({cfg.model.attention} on {jax.default_backend()})")
     print(f"params + opt state  {total / 2**30:.2f} GiB total, {per_device / 2**30:.3f} GiB "
           f"per device on a {cfg.mesh.data}x{cfg.mesh.model} (data x model) mesh")
+    tokens = cfg.data.batch_size // cfg.mesh.data // cfg.microbatches * cfg.data.seq_len
+    act = activation_bytes(cfg.model, tokens, cfg.mesh.model)
+    print(f"activations         {act / 2**30:.3f} GiB per device ({tokens:,} tokens a device "
+          f"{'a microbatch ' if cfg.microbatches > 1 else ''}kept for the backward: a lower "
+          f"bound, the backward's temporaries on top; --microbatches K divides it by K); "
+          f"with the state {(act + per_device) / 2**30:.3f} GiB")
 
 
 class Log:
