@@ -5,7 +5,8 @@ repository root:
     python -m lab.experiments baseline rescue --seeds 0,1,2 --jobs 1
     python -m lab.experiments --list             # every row: its command, or whether it has run
     python -m lab.experiments --results-only     # tables and figures from the runs already made
-    python -m lab.experiments story8 story8-qk   # harness rows: seeds in one vmapped step
+    python -m lab.experiments story8 story8-qk   # harness rows: seeds in one vmapped step,
+                                                 # one process pinned to each core
     python -m lab.experiments --evidence --plot  # the 8-seed rates with intervals, figure, README
     python -m lab.experiments --rerun story8 --seed 3   # one stored member again: inside its row?
     python -m lab.experiments --widths           # best and break LR per width (Wortsman's proxy)
@@ -30,6 +31,7 @@ in a table is typed by hand.
 
 import dataclasses
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -243,6 +245,59 @@ def run_all(names: list[str], seeds: list[int], jobs: int) -> dict:
         for batch in (first, later):
             codes |= dict(zip(batch, pool.map(lambda ns: execute(*ns), batch)))
     return codes
+
+
+# ---------------------------------------------------------------------------------------------
+# Harness rows on every core: one process pinned to each, its rows one after the other
+
+def core_queues(groups: list[Group], cores: int) -> list[list[str]]:
+    """The rows not yet recorded, dealt to at most `cores` queues, the longest first (members x
+    steps x width): each to the queue with the least work so far, a fork after its source in
+    the source's queue."""
+    done = load()["groups"]
+    todo = [g for g in groups if g.name not in done]
+    queues: list[list[Group]] = [[] for _ in range(min(cores, len(todo)))]
+    work = [0.0] * len(queues)
+
+    def cost(g: Group) -> float:
+        return len(g.lrs) * len(g.seeds) * g.steps * g.batch_size * g.d_model ** 2
+
+    for g in sorted(todo, key=cost, reverse=True):
+        src = next((i for i, q in enumerate(queues) if g.fork in {x.name for x in q}), None)
+        i = src if src is not None else work.index(min(work))
+        queues[i].append(g)
+        work[i] += cost(g)
+    for q in queues:  # a fork after its source (a stable sort: the rest keep their order)
+        q.sort(key=lambda g: g.fork in {x.name for x in q})
+    return [[g.name for g in q] for q in queues if q]
+
+
+def run_pinned(queues: list[list[str]], cores: list[int]) -> None:
+    """One `python -m lab.experiments ROWS` per queue, pinned to its own core, its output in
+    runs/logs/; a line here as each process prints a step or records a row."""
+    logs = pathlib.Path("runs/logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for core, rows in zip(cores, queues):
+        log = logs / f"core{core}-{rows[0]}.log"
+        procs.append((core, rows, log, subprocess.Popen(
+            [sys.executable, "-m", "lab.experiments", *rows], stdout=log.open("w"),
+            stderr=subprocess.STDOUT, preexec_fn=lambda c=core: os.sched_setaffinity(0, {c}))))
+        print(f"core {core}: {' '.join(rows)} (log: {log})", flush=True)
+    last = {}
+    while any(p.poll() is None for *_, p in procs):
+        time.sleep(10)
+        for core, _, log, _p in procs:
+            lines = log.read_text().splitlines() or [""]
+            if lines[-1] != last.get(core):
+                last[core] = lines[-1]
+                print(f"core {core}: {lines[-1]}", flush=True)
+    failed = [(core, log) for core, _, log, p in procs if p.returncode]
+    for core, log in failed:
+        print(f"core {core} ended with an error: see {log}", file=sys.stderr)
+    if failed:
+        raise UserError(f"{len(failed)} of {len(procs)} row processes failed; each kept what it "
+                        "recorded, and the same command goes on with the rest")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -488,6 +543,10 @@ class Args:
     seed: int = 0  # the seed --rerun trains again
     rerun_steps: int | None = None  # --rerun: only this many steps (a probe of the bits)
     slim: bool = False  # rewrite the stored curves to what they keep now (harness.curve_arrays)
+    # harness rows run as one process pinned to each of this many cores (default: every core
+    # this process may use), each process's rows one after the other: a row repeats bitwise
+    # only with the same core count and CPU model (results/search.json records both)
+    cores: int | None = None
 
 
 def harness_tables(args: Args) -> None:
@@ -586,7 +645,14 @@ def main(argv: list[str]) -> int:
             print(f"{g.name:<26} (harness, seeds {','.join(map(str, g.seeds))}) "
                   f"{'done' if g.name in done else 'to run'}")
         return 0
-    if groups:  # the harness; results/search.json and results/curves/ as each ends
+    cores = sorted(os.sched_getaffinity(0))
+    if args.cores is not None and not 1 <= args.cores <= len(cores):
+        raise UserError(f"--cores must be in 1..{len(cores)} (this process may use cores "
+                        f"{cores}), got {args.cores}")
+    queues = core_queues(groups, args.cores or len(cores))
+    if len(queues) > 1:  # one pinned process per core; each records its rows as they end
+        run_pinned(queues, cores)
+    elif groups:  # the harness; results/search.json and results/curves/ as each ends
         harness.run(groups, report=lambda rows: print(search.summary(rows), flush=True))
     codes = {}
     if chosen and not args.results_only:

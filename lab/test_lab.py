@@ -6,7 +6,10 @@ testpaths); alone: `pytest lab/`.
 import dataclasses
 import functools
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -810,3 +813,39 @@ def test_the_probe_reads_the_sink_and_the_gate_from_the_models_own_layers():
     a = H.train_members(g.config(), g.seeds, chunk=2, eval_every=2, log=lambda s: None)
     assert a["probe_sink"].shape == (2, 2, 1) and np.all((a["probe_sink"] > 0)
                                                           & (a["probe_sink"] < 1))
+
+
+def test_rows_on_every_core_go_one_pinned_process_per_core(monkeypatch, tmp_path):
+    """python -m lab.experiments ROW ROW ...: the rows not yet recorded dealt to one queue per
+    core (the most work first, each to the least loaded queue; a fork after its source, in the
+    source's queue); each queue one `python -m lab.experiments` pinned to its own core."""
+    monkeypatch.setattr(EX, "load", lambda: {"groups": {"width32-qk": {}}})
+    rows = [RW.HARNESS_ROWS[n] for n in ("width32", "width32-qk", "story8", "story8-gate",
+                                          "story8-gate-inserted", "width32-gate")]
+    queues = EX.core_queues(rows, 2)
+    assert sorted(n for q in queues for n in q) == sorted(
+        ["width32", "story8", "story8-gate", "story8-gate-inserted", "width32-gate"])
+    src = next(q for q in queues if "story8" in q)
+    assert src.index("story8") < src.index("story8-gate-inserted")
+    assert len(queues) == 2 and EX.core_queues(rows, 1) == [
+        [n for q in EX.core_queues(rows, 1) for n in q]]
+    started, real = [], subprocess.Popen
+
+    class Fake:  # runs the pinning in a real child that reports its cores, then "ends"
+        def __init__(self, argv, stdout, stderr, preexec_fn):
+            out = real([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)"
+                        "))"], stdout=subprocess.PIPE, text=True,
+                       preexec_fn=preexec_fn).communicate()[0]
+            started.append((argv[3:], out.strip()))
+            stdout.write(f"{argv[3]}: recorded\n")
+            stdout.close()
+            self.returncode = 0
+
+        def poll(self):
+            return 0
+    monkeypatch.setattr(EX.subprocess, "Popen", Fake)
+    monkeypatch.chdir(tmp_path)
+    core = sorted(os.sched_getaffinity(0))[0]
+    EX.run_pinned([["width32"]], [core])
+    assert started == [(["width32"], f"[{core}]")]
+    assert (tmp_path / "runs/logs" / f"core{core}-width32.log").read_text() == "width32: recorded\n"
