@@ -166,6 +166,21 @@ def peer_stopped() -> str | None:
     return None if message.startswith(f"process {jax.process_index()}:") else message
 
 
+# What a collective says when another process of the run has died (killed, its machine gone):
+# gloo's cut connection, the coordination service's missed heartbeats.
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "heartbeat",
+             "UNAVAILABLE", "Socket closed")
+
+
+def peer_lost(e: Exception) -> str | None:
+    """The first line of `e` if it is a collective cut off by a process that died (a
+    multi-process run only), else None."""
+    text = str(e)
+    if jax.process_count() <= 1 or not any(k in text for k in PEER_LOST):
+        return None
+    return text.strip().splitlines()[0][:200]
+
+
 def stop_peers(reason: str) -> None:
     """Tell the other processes of a multi-process run to stop, and give them time to hear it
     (they poll every second). Process 0 hosts the service and leaves last: it waits 2 s for

@@ -1260,39 +1260,96 @@ PLANTED_SHIFT_EVENTS = [
      "rewarm_steps": 100}]
 
 
-@pytest.mark.slow
-@TWO_PROCESSES
-def test_the_guard_on_two_processes_takes_the_decisions_of_one(tmp_path):
-    """One rollback and one escalation to QK-Norm on a 2-process loopback run (one CPU device
-    each): the record one process writes (PLANTED_SHIFT_EVENTS, as the in-process test below
-    finds), written by process 0 alone, and QK-Norm in the final checkpoint."""
-    flags = ["tiny", "--mesh.data", "2", "--steps", "120", "--checkpoint-every", "30",
-             "--keep-checkpoints", "20", "--eval-every", "120", "--guard", "--guard.escalate",
-             "qk-norm"]
-    runner = tmp_path / "planted.py"
+PLANTED_FLAGS = ["tiny", "--mesh.data", "2", "--steps", "120", "--checkpoint-every", "30",
+                 "--keep-checkpoints", "20", "--eval-every", "120", "--guard", "--guard.escalate",
+                 "qk-norm"]
+
+
+def planted_on_two_processes(tmp: pathlib.Path, run: pathlib.Path, kill_at: int = 0
+                             ) -> tuple[list[str], list[int], float]:
+    """The planted-shift run (PLANTED_SHIFT_RUNNER, PLANTED_FLAGS) on 2 loopback processes, one
+    CPU device each; with `kill_at` k, process 1 is SIGKILLed as process 0 prints its k-th
+    guard line (1: the rollback, 2: the escalation). Returns (outputs, exit codes, seconds
+    process 0 took to end after the kill)."""
+    runner = tmp / "planted.py"
     runner.write_text(PLANTED_SHIFT_RUNNER)
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(runner), "90", *flags, "--run-dir",
-                               str(tmp_path / "two"), "--dist.coordinator", f"127.0.0.1:{port}",
+    procs = [subprocess.Popen([sys.executable, "-u", str(runner), "90", *PLANTED_FLAGS,
+                               "--run-dir", str(run), "--dist.coordinator", f"127.0.0.1:{port}",
                                "--dist.num-processes", "2", "--dist.process-id", str(i)],
                               cwd=HERE, env={**os.environ, "PYTHONPATH": str(HERE),
                                              "JAX_NUM_CPU_DEVICES": "1"},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
+    head, t = "", time.monotonic()
     try:
+        if kill_at:
+            for line in procs[0].stdout:
+                head += line
+                if head.count("\nguard:") + head.startswith("guard:") == kill_at:
+                    procs[1].kill()
+                    t = time.monotonic()
+                    break
         outs = [p.communicate(timeout=600)[0] for p in procs]
     finally:
         for p in procs:
             p.kill()
-    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    two = R.read_events(tmp_path / "two")
-    assert [{k: v for k, v in e.items() if k not in ("loss", "max_logit")} for e in two] == \
+    return [head + outs[0], outs[1]], [p.returncode for p in procs], time.monotonic() - t
+
+
+@pytest.fixture(scope="module")
+def planted_two(tmp_path_factory):
+    """The planted run on 2 processes, straight through: (run dir, outputs, exit codes)."""
+    tmp = tmp_path_factory.mktemp("planted-two")
+    outs, codes, _ = planted_on_two_processes(tmp, tmp / "two")
+    return tmp / "two", outs, codes
+
+
+def planted_final_params(run: pathlib.Path) -> dict:
+    cfg = dataclasses.replace(G.effective_config(tiny(steps=120), R.read_events(run)),
+                              run_dir=str(run))
+    return leaves_by_key(restore_final(cfg, 120)["params"])
+
+
+@pytest.mark.slow
+@TWO_PROCESSES
+def test_the_guard_on_two_processes_takes_the_decisions_of_one(planted_two):
+    """One rollback and one escalation to QK-Norm on a 2-process loopback run (one CPU device
+    each): the record one process writes (PLANTED_SHIFT_EVENTS, as the in-process test below
+    finds), written by process 0 alone, and QK-Norm in the final checkpoint."""
+    two, outs, codes = planted_two
+    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    events = R.read_events(two)
+    assert [{k: v for k, v in e.items() if k not in ("loss", "max_logit")} for e in events] == \
         PLANTED_SHIFT_EVENTS
     for line in outs[1].splitlines():  # process 1 took each decision too (process 0 says it)
         assert not line.startswith("guard:"), line
-    cfg = dataclasses.replace(G.effective_config(tiny(steps=120), two),
-                              run_dir=str(tmp_path / "two"))
-    assert "q_norm" in restore_final(cfg, 120)["params"]["layers"]
+    assert any(k.endswith("['q_norm']") for k in planted_final_params(two))
+
+
+@pytest.mark.slow
+@TWO_PROCESSES
+@pytest.mark.parametrize("kill_at", [1, 2], ids=["during-the-rollback", "at-the-escalation"])
+def test_one_of_two_guarded_processes_killed_ends_the_other_and_resumes_bitwise(
+        planted_two, kill_at, tmp_path):
+    """SIGKILL to process 1 as the guard rolls back, or as it escalates: process 0 ends in one
+    line within seconds (not JAX's exit barrier, ~75 s, then a C++ abort), and the same
+    command on both processes ends where the straight run does, every parameter bit for bit."""
+    run = tmp_path / "two"
+    outs, codes, waited = planted_on_two_processes(tmp_path, run, kill_at)
+    assert codes[0] == 1 and waited < 30, (waited, "\n".join(
+        x for x in outs[0].split("guard:", 1)[-1].splitlines() if not x.startswith(" "))[:3000])
+    tail = outs[0].split("guard:")[-1].splitlines()[1:]
+    errors = [x for x in tail if x.startswith("error:")]
+    assert len(errors) == 1 and "another process of the run is gone" in errors[0], outs[0][-3000:]
+    assert "Traceback" not in outs[0] and "Check failure" not in outs[0]
+    outs, codes, _ = planted_on_two_processes(tmp_path, run)  # the same command again
+    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert R.read_events(run) == R.read_events(planted_two[0])
+    want, got = planted_final_params(planted_two[0]), planted_final_params(run)
+    assert want.keys() == got.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
 def free_port() -> int:

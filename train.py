@@ -60,6 +60,7 @@ from distributed import (
     checkpoint_failed,
     give_up,
     peak_tflops,
+    peer_lost,
     peer_stopped,
     process_rows,
     say,
@@ -483,9 +484,15 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     try:
         last = train(cfg)
-    except jax.errors.JaxRuntimeError:  # a collective cut off by a process that stopped
-        if peer := peer_stopped():
+    except Exception as e:  # a collective cut off by a process that stopped
+        if isinstance(e, jax.errors.JaxRuntimeError) and (peer := peer_stopped()):
             give_up(f"error: {peer}; process {jax.process_index()} stops too", code=1)
+        # ...or died (gloo's error comes as a JaxRuntimeError, or through orbax's sync as a
+        # ValueError): ended here at once, before JAX's exit barrier
+        if lost := peer_lost(e):
+            give_up(f"error: process {jax.process_index()}: another process of the run is gone "
+                    f"({lost}); this one stops too. The same command on every process resumes "
+                    "from the last checkpoint", code=1)  # waits for it, then aborts in C++
         raise
     if last:
         say(done_line(cfg, last, time.perf_counter() - t0))
