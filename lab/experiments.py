@@ -272,6 +272,14 @@ def core_queues(groups: list[Group], cores: int) -> list[list[str]]:
     return [[g.name for g in q] for q in queues if q]
 
 
+def pinned_command(core: int, module: str, args: list[str]) -> list[str]:
+    """`python -m MODULE ARGS` pinned to `core` from its first line, before JAX starts its
+    threads (no fork of this process, which may hold JAX's)."""
+    return [sys.executable, "-c", f"import os, runpy, sys; os.sched_setaffinity(0, {{{core}}}); "
+            f"sys.argv[0] = {module!r}; runpy.run_module({module!r}, run_name='__main__', "
+            "alter_sys=True)", *args]
+
+
 def run_pinned(queues: list[list[str]], cores: list[int]) -> None:
     """One `python -m lab.experiments ROWS` per queue, pinned to its own core, its output in
     runs/logs/; a line here as each process prints a step or records a row."""
@@ -281,8 +289,8 @@ def run_pinned(queues: list[list[str]], cores: list[int]) -> None:
     for core, rows in zip(cores, queues):
         log = logs / f"core{core}-{rows[0]}.log"
         procs.append((core, rows, log, subprocess.Popen(
-            [sys.executable, "-m", "lab.experiments", *rows], stdout=log.open("w"),
-            stderr=subprocess.STDOUT, preexec_fn=lambda c=core: os.sched_setaffinity(0, {c}))))
+            pinned_command(core, "lab.experiments", rows), stdout=log.open("w"),
+            stderr=subprocess.STDOUT)))
         print(f"core {core}: {' '.join(rows)} (log: {log})", flush=True)
     last = {}
     while any(p.poll() is None for *_, p in procs):

@@ -15,6 +15,7 @@ outcome (report.py's fixed rules) in results/search.json.
 import dataclasses
 import fcntl
 import functools
+import hashlib
 import json
 import pathlib
 import time
@@ -279,6 +280,7 @@ def layer_max(logit: np.ndarray) -> np.ndarray:
 def slim_curves(log=print) -> None:
     """Rewrite every stored curve to what curve_arrays keeps (the rows stored before it, and
     those a process started earlier wrote): the same file where nothing is left out."""
+    rewritten = []
     for path in sorted(SEED_CURVES.glob("*/*.npz")):
         c = read_curve(path.parent.name, path.stem)
         kept = curve_arrays(path.parent.name, c)
@@ -286,14 +288,20 @@ def slim_curves(log=print) -> None:
             continue
         with written_whole(path) as tmp:
             np.savez_compressed(tmp, **kept)
+        rewritten.append(path)
         log(f"{path}: kept {', '.join(kept)}")
+    record_checksums(SEED_CURVES, rewritten)
+    # every curve not listed yet (a row a process started before this code wrote), as it is
+    record_checksums(SEED_CURVES, sorted(SEED_CURVES.glob("*/*.npz")), replace=False)
     for path in sorted(CURVES.glob("*.npz")):  # the search's groups: their loss, grad norm, evals
         c = read_curve("", path.stem)
         kept = {k: c[k] for k in ("loss", "grad_norm", "eval_step", "eval_loss") if k in c}
         if kept.keys() != c.keys():
             with written_whole(path) as tmp:
                 np.savez_compressed(tmp, **kept)
+            record_checksums(CURVES, [path])
             log(f"{path}: kept {', '.join(kept)}")
+    record_checksums(CURVES, sorted(CURVES.glob("*.npz")), replace=False)
 
 
 def outcomes(g: Group, members: list[tuple[float, int, dict, int]]) -> list[dict]:
@@ -492,12 +500,15 @@ def run(groups: list[Group], report=None) -> None:
             members = [(lr, s, a, i) for i, (lr, s) in enumerate(member_grid(g))]
             seconds = a["seconds"]
         (SEED_CURVES / g.name).mkdir(parents=True, exist_ok=True)
+        written = []
         for lr, seed, a, i in members:  # one file per member
             tag = f"seed{seed}" if len(g.lrs) == 1 else f"lr{lr:g}-seed{seed}"
-            with written_whole(SEED_CURVES / g.name / f"{tag}.npz") as tmp:
+            written.append(SEED_CURVES / g.name / f"{tag}.npz")
+            with written_whole(written[-1]) as tmp:
                 np.savez_compressed(tmp, **curve_arrays(g.name, {
                     k: v[i] if k not in ("eval_step", "first_step", "seconds", "chunk_seconds")
                     else v for k, v in a.items()}))
+        record_checksums(SEED_CURVES, written)
         save_group(g.name, {"settings": g.settings(), "lrs": list(g.lrs),
                             "seeds": sorted({s for _, s, _, _ in members}),
                             "seconds": round(seconds), "machine": machine(),
@@ -510,12 +521,52 @@ def run(groups: list[Group], report=None) -> None:
 
 def read_curve(group: str, member: str) -> dict[str, np.ndarray]:
     """The stored curve results/curves/GROUP/MEMBER.npz (MEMBER: seedN or lrLR-seedN), or with
-    group "" the search's results/search/MEMBER.npz: every array. A missing or damaged file is one
-    line naming it."""
-    path = (SEED_CURVES / group if group else CURVES) / f"{member}.npz"
-    return read_npz(path, f"restore it (git checkout {path}), or make it again: python -m "
-                          f"lab.experiments {group or member}, its group taken out of "
-                          "results/search.json first")
+    group "" the search's results/search/MEMBER.npz: every array. A missing or damaged file, or
+    one whose bytes are not those the harness wrote (its sha256 against the folder's
+    sha256.json), is one line naming it."""
+    root = SEED_CURVES if group else CURVES
+    path = (root / group if group else root) / f"{member}.npz"
+    fix = (f"restore it (git checkout {path}), or make it again: python -m lab.experiments "
+           f"{group or member}, its group taken out of results/search.json first")
+    arrays = read_npz(path, fix)
+    want = read_checksums(root).get(path.relative_to(root).as_posix())
+    if want is not None and sha256(path) != want:
+        raise UserError(f"{path} is not the file the harness wrote (its sha256 differs from "
+                        f"{root / 'sha256.json'}'s): {fix}")
+    return arrays
+
+
+def sha256(path: pathlib.Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def read_checksums(root: pathlib.Path) -> dict[str, str]:
+    """ROOT/sha256.json: each stored curve's sha256 as written, by its path under ROOT."""
+    path = root / "sha256.json"
+    if not path.exists():
+        return {}
+    try:
+        sums = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} cannot be read ({type(e).__name__}): restore it (git checkout "
+                        f"{path})") from None
+    if not isinstance(sums, dict):
+        raise UserError(f"{path} is not a checksum record: restore it (git checkout {path})")
+    return sums
+
+
+def record_checksums(root: pathlib.Path, paths, replace: bool = True) -> None:
+    """Enter each written file's sha256 into ROOT/sha256.json (under the record's lock: one
+    process per core may write at once); with replace=False only files it does not list."""
+    with open(OUT.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        sums = read_checksums(root)
+        for path in paths:
+            key = path.relative_to(root).as_posix()
+            if replace or key not in sums:
+                sums[key] = sha256(path)
+        with written_whole(root / "sha256.json") as tmp:
+            tmp.write_text(json.dumps(dict(sorted(sums.items())), indent=0) + "\n")
 
 
 def seed_curve(group: str, seed: int) -> dict:

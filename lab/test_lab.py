@@ -9,7 +9,6 @@ import json
 import os
 import pathlib
 import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -829,15 +828,18 @@ def test_rows_on_every_core_go_one_pinned_process_per_core(monkeypatch, tmp_path
     assert src.index("story8") < src.index("story8-gate-inserted")
     assert len(queues) == 2 and EX.core_queues(rows, 1) == [
         [n for q in EX.core_queues(rows, 1) for n in q]]
-    started, real = [], subprocess.Popen
+    core = sorted(os.sched_getaffinity(0))[-1]
+    (tmp_path / "affinity_probe.py").write_text(
+        "import os, sys\nprint(sys.argv[1:], sorted(os.sched_getaffinity(0)))\n")
+    out = subprocess.run(EX.pinned_command(core, "affinity_probe", ["a", "b"]), cwd=tmp_path,
+                         capture_output=True, text=True).stdout
+    assert out == f"['a', 'b'] [{core}]\n"  # the child runs pinned, with its arguments
+    started = []
 
-    class Fake:  # runs the pinning in a real child that reports its cores, then "ends"
-        def __init__(self, argv, stdout, stderr, preexec_fn):
-            out = real([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)"
-                        "))"], stdout=subprocess.PIPE, text=True,
-                       preexec_fn=preexec_fn).communicate()[0]
-            started.append((argv[3:], out.strip()))
-            stdout.write(f"{argv[3]}: recorded\n")
+    class Fake:
+        def __init__(self, argv, stdout, stderr):
+            started.append(argv)
+            stdout.write(f"{argv[-1]}: recorded\n")
             stdout.close()
             self.returncode = 0
 
@@ -845,7 +847,29 @@ def test_rows_on_every_core_go_one_pinned_process_per_core(monkeypatch, tmp_path
             return 0
     monkeypatch.setattr(EX.subprocess, "Popen", Fake)
     monkeypatch.chdir(tmp_path)
-    core = sorted(os.sched_getaffinity(0))[0]
     EX.run_pinned([["width32"]], [core])
-    assert started == [(["width32"], f"[{core}]")]
+    assert started == [EX.pinned_command(core, "lab.experiments", ["width32"])]
     assert (tmp_path / "runs/logs" / f"core{core}-width32.log").read_text() == "width32: recorded\n"
+
+
+def test_a_stored_curve_whose_bytes_changed_is_refused_in_one_line(tmp_path, monkeypatch):
+    """A curve the harness wrote is listed with its sha256 (results/curves/sha256.json): the
+    same curve with its arrays zeroed (which would move a row's held-out with no word) is
+    refused, naming the file and how to restore it; a curve not listed is read as it is."""
+    monkeypatch.setattr(H, "SEED_CURVES", tmp_path)
+    monkeypatch.setattr(H, "OUT", tmp_path / "search.json")
+    (tmp_path / "row").mkdir()
+    curve = {"loss": np.linspace(5.0, 2.0, 40, dtype=np.float32), "eval_step": np.array([40]),
+             "eval_loss": np.array([2.1], np.float32)}
+    for seed in (0, 1):
+        np.savez_compressed(tmp_path / "row" / f"seed{seed}.npz", **curve)
+    H.record_checksums(tmp_path, [tmp_path / "row" / "seed0.npz"])
+    np.testing.assert_array_equal(H.read_curve("row", "seed0")["loss"], curve["loss"])
+    np.savez_compressed(tmp_path / "row" / "seed0.npz",
+                        **{k: np.zeros_like(v) for k, v in curve.items()})
+    with pytest.raises(H.UserError, match="seed0.npz is not the file the harness wrote"):
+        H.read_curve("row", "seed0")
+    assert H.read_curve("row", "seed1")["loss"].shape == (40,)  # unlisted: read
+    (tmp_path / "sha256.json").write_text("{")
+    with pytest.raises(H.UserError, match="sha256.json cannot be read"):
+        H.read_curve("row", "seed1")
