@@ -85,6 +85,7 @@ from lab.tables import (
     levers_markdown,
     mechanism,
     mechanism_table,
+    probe_markdown,
     readme_summary,
     s1_markdown,
     sweep_markdown,
@@ -589,6 +590,7 @@ def harness_tables(args: Args) -> None:
         update_readme(readme_summary(evidence), pathlib.Path("README.md"), "evidence-summary")
         write_results_json({"evidence": evidence_json(evidence)})
         update_readme(s1_markdown(record), part="s1")
+        update_readme(probe_markdown(record), part="probes")
         print(f"wrote the 8-seed rows in {RESULTS}/results.json ('evidence')")
     for flag, text, part, figure in (
             (args.levers, levers_markdown, "levers", plot_levers),

@@ -672,6 +672,29 @@ def s1_markdown(record: dict, groups=("story8", "story8-qk", "story8-marin-32b",
     return "\n".join(lines)
 
 
+def probe_markdown(record: dict) -> str:
+    """The gate rows' own figures (lab/probe.py, at the last held-out eval; per layer 0..L-1,
+    the mean over seeds, and the seeds' range of the mean over layers): the attention sink
+    (mass on the window's first token), the gate's weight norm and its mean value."""
+    rows = [g for g in EVIDENCE_GROUPS if g.name in record["groups"]
+            and "final_probe_sink" in record["groups"][g.name]["members"][0]]
+    if not rows:
+        return "no probed row run yet (python -m lab.experiments story8-probed story8-gate)"
+    lines = ["| row (8 seeds, at step 4,000) | attention on the first token, per layer (mean "
+             "over layers: seeds' range) | gate weight norm, per layer | gate's mean value, per "
+             "layer |", "|---" * 4 + "|"]
+    for g in rows:
+        ms = record["groups"][g.name]["members"]
+        cells = []
+        for key in ("final_probe_sink", "final_probe_gate_norm", "final_probe_gate_mean"):
+            v = np.array([m[key] for m in ms])  # [seeds, layers]
+            cells.append("/".join(f"{x:.3f}" for x in v.mean(0)) + (
+                f" ({v.mean(1).min():.3f}-{v.mean(1).max():.3f})" if key.endswith("sink")
+                else ""))
+        lines.append(f"| {g.label or g.name} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 def evidence_json(rows: list[dict]) -> list[dict]:
     """The evidence rows as results.json keeps them: per row its seeds, the CPU and every
     figure (each seed's value, the mean, its 95% interval), the guard's counts."""
