@@ -873,3 +873,15 @@ def test_a_stored_curve_whose_bytes_changed_is_refused_in_one_line(tmp_path, mon
     (tmp_path / "sha256.json").write_text("{")
     with pytest.raises(H.UserError, match="sha256.json cannot be read"):
         H.read_curve("row", "seed1")
+
+
+def test_the_probe_table_gives_each_probed_rows_layers_and_the_seeds_range():
+    members = [{"seed": s, "final_probe_sink": [0.5 + 0.1 * s, 0.3],
+                "final_probe_gate_norm": [1.0, 2.0 + s], "final_probe_gate_mean": [1.0, 0.9]}
+               for s in (0, 1)]
+    text = TB.probe_markdown({"groups": {"story8-gate": {"members": members},
+                                         "story8": {"members": [{"seed": 0}]}}})
+    assert text.splitlines()[2] == (
+        "| the attention gate from scratch | 0.550/0.300 (0.400-0.450) | 1.000/2.500 | "
+        "1.000/0.900 |")
+    assert len(text.splitlines()) == 3  # story8 has no probe: not a row
