@@ -1329,14 +1329,15 @@ def test_the_guard_on_two_processes_takes_the_decisions_of_one(planted_two):
 
 @pytest.mark.slow
 @TWO_PROCESSES
-@pytest.mark.parametrize("kill_at", [1, 2], ids=["during-the-rollback", "at-the-escalation"])
-def test_one_of_two_guarded_processes_killed_ends_the_other_and_resumes_bitwise(
-        planted_two, kill_at, tmp_path):
-    """SIGKILL to process 1 as the guard rolls back, or as it escalates: process 0 ends in one
+def test_one_of_two_guarded_processes_killed_ends_the_other_and_resumes_bitwise(planted_two,
+                                                                                tmp_path):
+    """SIGKILL to process 1 as the guard escalates (after its rollback): process 0 ends in one
     line within seconds (not JAX's exit barrier, ~75 s, then a C++ abort), and the same
-    command on both processes ends where the straight run does, every parameter bit for bit."""
+    command on both processes ends where the straight run does, every parameter bit for bit.
+    (Killed as it rolls back instead, the same held when this was written: each variant is ~70
+    s of the suite's two-process worker, so one is kept.)"""
     run = tmp_path / "two"
-    outs, codes, waited = planted_on_two_processes(tmp_path, run, kill_at)
+    outs, codes, waited = planted_on_two_processes(tmp_path, run, kill_at=2)
     assert codes[0] == 1 and waited < 30, (waited, "\n".join(
         x for x in outs[0].split("guard:", 1)[-1].splitlines() if not x.startswith(" "))[:3000])
     tail = outs[0].split("guard:")[-1].splitlines()[1:]
