@@ -430,12 +430,18 @@ def output_projection(out_BTNH, h_BTD, p, cfg: ModelConfig):
     training forward and the cached decode both call this. The gate is computed from the
     block's normed input `h` (ModelConfig.attn_gate)."""
     if cfg.attn_gate != "none":
-        headwise = cfg.attn_gate == "headwise"
-        z = einsum_2d_for_xla_cpu(h_BTD, p["w_attn_gate"],
-                                  ("heads",) if headwise else ("heads", "head_dim"))
-        gate = jax.nn.sigmoid(z) * (2 if cfg.attn_gate_form == "marin" else 1)
-        out_BTNH = out_BTNH * (gate[..., None] if headwise else gate)
+        gate = attention_gate(h_BTD, p, cfg)
+        out_BTNH = out_BTNH * (gate[..., None] if cfg.attn_gate == "headwise" else gate)
     return einsum_2d_for_xla_cpu(out_BTNH, p["wo"], ("act_embed",))
+
+
+def attention_gate(h_BTD, p, cfg: ModelConfig):
+    """The gate's value from the block's normed input: [B, T, N] headwise, [B, T, N, H]
+    elementwise; Marin's form 2 * sigmoid (1 at its zero init), Qwen's sigmoid."""
+    headwise = cfg.attn_gate == "headwise"
+    z = einsum_2d_for_xla_cpu(h_BTD, p["w_attn_gate"],
+                              ("heads",) if headwise else ("heads", "head_dim"))
+    return jax.nn.sigmoid(z) * (2 if cfg.attn_gate_form == "marin" else 1)
 
 
 def mlp(x_BTD, p):

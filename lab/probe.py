@@ -48,10 +48,8 @@ def probe(params: dict, tokens_BT, cfg: M.ModelConfig) -> dict[str, jnp.ndarray]
         q, k, _ = M.qkv(h_BTD, p, cfg)
         sink.append(first_token_mass(q, k, cfg.attn_softcap))
         if cfg.attn_gate != "none":
-            z = jnp.einsum("btd,d...->bt...", h_BTD, p["w_attn_gate"])
-            gate = jax.nn.sigmoid(z) * (2 if cfg.attn_gate_form == "marin" else 1)
             norm.append(jnp.linalg.norm(p["w_attn_gate"]))
-            mean.append(jnp.mean(gate))
+            mean.append(jnp.mean(M.attention_gate(h_BTD, p, cfg)))
         else:
             norm.append(jnp.float32(0.0))
             mean.append(jnp.float32(1.0))
