@@ -248,18 +248,24 @@ EVIDENCE_GROUPS += [
         ("zclip", None, {"grad_clip": "zclip"}, "ZClip alone"),
         ("update-clip-rms", None, {"update_clip": "rms"}, "update-RMS clipping alone"))]
 # The attention gate Marin kept (Marin's form: 2 * sigmoid, zero init, headwise), over the same
-# seeds: from scratch without QK-Norm and with it, inserted at the QK-Norm insertion's fork
-# (exactly 1 at insertion), and as the guard's escalation. Declared; not run yet.
+# seeds: from scratch without QK-Norm and with it, inserted mid-run (exactly 1 at insertion),
+# and as the guard's escalation. The insertion forks from story8-rerun (the final code, whose
+# kept states a pinned rerun rebuilds bitwise; story8's own predate a refactor), beside QK-Norm
+# inserted at the same forks: the two rescues from one source, seed for seed.
 GATE = (("attn_gate", "headwise"), ("attn_gate_form", "marin"))
 EVIDENCE_GROUPS += [
     dataclasses.replace(EVIDENCE, name="story8-gate", snapshot_every=0, model=GATE,
                         compare_with="story8-qk", label="the attention gate from scratch"),
     dataclasses.replace(EVIDENCE, name="story8-gate-qk", snapshot_every=0, model=GATE,
                         qk_norm=True, label="the gate with QK-Norm from scratch"),
-    dataclasses.replace(EVIDENCE, name="story8-gate-inserted", fork="story8", model=GATE,
+    dataclasses.replace(EVIDENCE, name="story8-gate-inserted", fork="story8-rerun", model=GATE,
                         snapshot_every=0, compare_with="story8-qk",
                         optim=(("rewarmup_steps", 100), ("rewarmup_from_ratio", 0.1)),
-                        label="the gate inserted mid-run"),
+                        label="the gate inserted mid-run (from the rerun)"),
+    dataclasses.replace(EVIDENCE, name="story8-qk-inserted-rerun", fork="story8-rerun",
+                        qk_norm=True, snapshot_every=0, compare_with="story8-qk",
+                        optim=(("rewarmup_steps", 100), ("rewarmup_from_ratio", 0.1)),
+                        label="QK-Norm inserted at the same forks"),
     dataclasses.replace(EVIDENCE, name="story8-guard-escalate-gate", snapshot_every=0,
                         compare_with="story8-qk", guard=(("escalate", "attn-gate"),),
                         label="the guard, escalating to the gate (train.py)")]
@@ -346,9 +352,11 @@ LEVER_BREAKS = {"baseline": ("width32",), "QK-Norm": ("width32-qk", "width32-qk-
 # Does muP remove the need for QK-Norm? (marin #1570.) The widths rows under --model.param mup,
 # base width 32 (where muP is the standard model: width32 and width32-qk are its d_model 32
 # rows), judged by the widths rows' rules: does the best LR transfer, does the break stay put?
+# d_model 64 on the LRs that bracket d_model 32's best (3e-3) and break (0.3): ~18 min an LR.
 MUP_ROWS = [dataclasses.replace(g, name=f"{g.name}-mup",
                                 model=(("param", "mup"), ("mup_base_width", 32)),
-                                compare_with=f"width{g.d_model}-qk-mup" if not g.qk_norm else "")
+                                compare_with=f"width{g.d_model}-qk-mup" if not g.qk_norm else "",
+                                lrs=WIDTH_LRS[1:-1] if g.d_model == 64 else g.lrs)
             for g in WIDTH_ROWS if g.d_model > 32 and (not g.qk_norm or g.d_model == 128)]
 HARNESS_ROWS = {g.name: g for g in (*LEVERS, *SWEEP, *EVIDENCE_GROUPS, *WIDTH_ROWS, *ZLOSS_ROWS,
                                     *KNOB_ROWS, *BREAK_ROWS, *MUP_ROWS)}
