@@ -1360,22 +1360,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_processes(flags: list[str], n: int = 2, env: dict | None = None
-                    ) -> list[subprocess.Popen]:
-    """`n` train.py processes of one run on loopback, 2 CPU devices each."""
+def start_processes(flags: list[str], n: int = 2, env: dict | None = None,
+                    program: str = "train.py") -> list[subprocess.Popen]:
+    """`n` train.py processes (or `program`'s, a runner that calls train.main) of one run on
+    loopback, 2 CPU devices each."""
     port = free_port()
-    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "2", **(env or {})}
-    return [subprocess.Popen([sys.executable, "-u", "train.py", *flags, "--dist.coordinator",
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "2", "PYTHONPATH": str(HERE), **(env or {})}
+    return [subprocess.Popen([sys.executable, "-u", program, *flags, "--dist.coordinator",
                               f"127.0.0.1:{port}", "--dist.num-processes", str(n),
                               "--dist.process-id", str(i)], cwd=HERE, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for i in range(n)]
 
 
-def preempt_one_of_two(flags: list[str], after_step: int) -> list[str]:
+def preempt_one_of_two(flags: list[str], after_step: int, program: str = "train.py"
+                       ) -> list[str]:
     """Start a 2-process run, SIGTERM process 1 once process 0 has logged `after_step`; both
     must exit as a preempted run does. Returns their outputs."""
-    procs = start_processes(flags, env={"PYTHONFAULTHANDLER": "1"})
+    procs = start_processes(flags, env={"PYTHONFAULTHANDLER": "1"}, program=program)
     try:
         head = ""
         for line in procs[0].stdout:  # process 0 logs
@@ -1437,30 +1439,62 @@ def test_a_checkpoint_failure_on_one_process_stops_the_other_within_seconds(tmp_
     assert C.saved_steps(run)[-1] == 2  # the last good checkpoint is intact
 
 
+# A spike planted in one row at step 4: the global batch's last row, which the last process
+# builds (rows 4-7 of 8 on 2 processes); the loss, and so the gradient, x6 on that step.
+PLANT_ROW_SPIKE = """
+import jax.numpy as jnp
+import data as D, train as T
+batch, loss_fn = D.TokenData.batch, T.loss_fn
+def planted_batch(self, step, rows=slice(None)):
+    tokens = batch(self, step, rows).copy()
+    if step == 4 and self.cfg.batch_size - 1 in range(self.cfg.batch_size)[rows]:
+        tokens[-1, 0] = 255
+    return tokens
+def planted_loss(params, tokens, cfg, **kw):
+    loss, aux = loss_fn(params, tokens, cfg, **kw)
+    return loss * (1 + 40 * jnp.mean(tokens[:, 0] == 255)), aux
+"""
+
+
 @pytest.mark.slow
 @TWO_PROCESSES
-def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path):
-    """2 processes x 2 CPU devices (gloo collectives) train tiny on a 4x1 mesh: process 0
-    alone logs, and the losses are those of 1 process with 4 devices (the first 6 steps: their
-    LRs are a 6-step run's too); SIGTERM to process 1 stops both after the same step, their
-    checkpoint restores in one process on one device; --resume-step goes back on both."""
+def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path, monkeypatch):
+    """2 processes x 2 CPU devices (gloo collectives) train tiny on a 4x1 mesh with skip-step
+    and gradient clipping on, a spike planted on process 1's rows at step 4: process 0 alone
+    logs, and the losses, gradient norms and skip decisions are those of 1 process with 4
+    devices (the first 6 steps: their LRs are a 6-step run's too): step 4 skipped, on every
+    process (a step applied on process 1's shards alone would move the next losses); SIGTERM to
+    process 1 stops both after the same step, their checkpoint restores in one process on one
+    device; --resume-step goes back on both."""
+    runner = tmp_path / "planted.py"
+    runner.write_text(PLANT_ROW_SPIKE + "import sys\nD.TokenData.batch, T.loss_fn = "
+                      "planted_batch, planted_loss\nsys.exit(T.main(sys.argv[1:]))\n")
     run = tmp_path / "run"
     flags = ["tiny", "--mesh.data", "4", "--steps", "100000", "--log-every", "1",
-             "--checkpoint-every", "2", "--keep-checkpoints", "100", "--run-dir", str(run)]
-    outs = preempt_one_of_two(flags, 5)
+             "--checkpoint-every", "2", "--keep-checkpoints", "100", "--optim.skip-step",
+             "--optim.skip-window", "4", "--run-dir", str(run)]
+    outs = preempt_one_of_two(flags, 5, program=str(runner))
     saved = int(outs[0].split("saved step ")[1].split()[0])
     assert saved >= 6 and C.saved_steps(run)[-1] == saved  # written by both processes
     assert not [x for x in outs[1].splitlines() if x.startswith("step ")]  # logs: process 0
     two = [json.loads(x) for x in (run / "metrics.jsonl").open()][:6]
-    one = tiny(tmp_path / "one", mesh__data=4, steps=6, checkpoint_every=3, eval_every=3)
+    planted = {}
+    exec(PLANT_ROW_SPIKE, planted)
+    monkeypatch.setattr(D.TokenData, "batch", planted["planted_batch"])
+    monkeypatch.setattr(T, "loss_fn", planted["planted_loss"])
+    one = tiny(tmp_path / "one", mesh__data=4, steps=6, checkpoint_every=3, eval_every=3,
+               optim__skip_step=True, optim__skip_window=4)
     T.train(one, devices=jax.devices()[:4])
     ref = [json.loads(x) for x in (tmp_path / "one" / "run" / "metrics.jsonl").open()]
-    np.testing.assert_allclose([m["loss"] for m in two], [m["loss"] for m in ref], rtol=1e-5)
-    cfg = dataclasses.replace(TINY, run_dir=str(run), mesh=CF.MeshConfig(4, 1), steps=100000,
-                              log_every=1, checkpoint_every=2, keep_checkpoints=100)
+    assert [m["skipped"] for m in two] == [m["skipped"] for m in ref] == [False] * 4 + [True, False]
+    assert two[4]["loss"] > 5 * two[3]["loss"]  # the planted spike, seen on process 0
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([m[key] for m in two], [m[key] for m in ref], rtol=1e-5)
+    cfg = dataclasses.replace(one, run_dir=str(run), steps=100000, log_every=1,
+                              checkpoint_every=2, keep_checkpoints=100)
     assert int(restore_final(cfg, saved)["step"]) == saved
     # Back to step 2 on both processes: process 0 moves the later checkpoints aside, once.
-    preempt_one_of_two(flags + ["--resume-step", "2"], 4)
+    preempt_one_of_two(flags + ["--resume-step", "2"], 4, program=str(runner))
     aside = [d for d in run.iterdir() if d.name.startswith("superseded-")]
     assert len(aside) == 1 and sorted(int(d.name) for d in aside[0].iterdir()) == list(
         range(4, saved + 1, 2)) + ([saved] if saved % 2 else [])
