@@ -1249,19 +1249,19 @@ sys.exit(T.main(sys.argv[2:]))
 
 
 # The guard's record of the planted shift (PLANTED_SHIFT_RUNNER, plant_guard_events): a spike
-# at 90, rolled back to the kept checkpoint 60 with batches 60-90 replaced; the same spike
+# at 60, rolled back to the kept checkpoint 40 with batches 40-60 replaced; the same spike
 # again, so rolled back again and escalated to QK-Norm (losses and logits left out: rounding
 # differs).
 PLANTED_SHIFT_EVENTS = [
-    {"rule": "spike", "event_step": 90, "trigger_step": 90, "action": "rollback",
-     "rollback_to": 60, "replaced_until": 91, "extra_steps": 31},
-    {"rule": "spike", "event_step": 90, "trigger_step": 90, "action": "escalate",
-     "rollback_to": 60, "replaced_until": 91, "extra_steps": 31, "escalation": "qk-norm",
+    {"rule": "spike", "event_step": 60, "trigger_step": 60, "action": "rollback",
+     "rollback_to": 40, "replaced_until": 61, "extra_steps": 21},
+    {"rule": "spike", "event_step": 60, "trigger_step": 60, "action": "escalate",
+     "rollback_to": 40, "replaced_until": 61, "extra_steps": 21, "escalation": "qk-norm",
      "rewarm_steps": 100}]
 
 
-PLANTED_FLAGS = ["tiny", "--mesh.data", "2", "--steps", "120", "--checkpoint-every", "30",
-                 "--keep-checkpoints", "20", "--eval-every", "120", "--guard", "--guard.escalate",
+PLANTED_FLAGS = ["tiny", "--mesh.data", "2", "--steps", "80", "--checkpoint-every", "20",
+                 "--keep-checkpoints", "20", "--eval-every", "80", "--guard", "--guard.escalate",
                  "qk-norm"]
 
 
@@ -1274,7 +1274,7 @@ def planted_on_two_processes(tmp: pathlib.Path, run: pathlib.Path, kill_at: int 
     runner = tmp / "planted.py"
     runner.write_text(PLANTED_SHIFT_RUNNER)
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-u", str(runner), "90", *PLANTED_FLAGS,
+    procs = [subprocess.Popen([sys.executable, "-u", str(runner), "60", *PLANTED_FLAGS,
                                "--run-dir", str(run), "--dist.coordinator", f"127.0.0.1:{port}",
                                "--dist.num-processes", "2", "--dist.process-id", str(i)],
                               cwd=HERE, env={**os.environ, "PYTHONPATH": str(HERE),
@@ -1306,9 +1306,9 @@ def planted_two(tmp_path_factory):
 
 
 def planted_final_params(run: pathlib.Path) -> dict:
-    cfg = dataclasses.replace(G.effective_config(tiny(steps=120), R.read_events(run)),
+    cfg = dataclasses.replace(G.effective_config(tiny(steps=80), R.read_events(run)),
                               run_dir=str(run))
-    return leaves_by_key(restore_final(cfg, 120)["params"])
+    return leaves_by_key(restore_final(cfg, 80)["params"])
 
 
 @pytest.mark.slow
@@ -2563,18 +2563,18 @@ class Killed(Exception):
 @pytest.mark.slow
 def test_the_guard_escalates_a_relapsing_shift_to_qk_norm_and_a_kill_changes_nothing(
         tmp_path, monkeypatch, capsys):
-    plant_guard_events(monkeypatch, shift_from=90)
+    plant_guard_events(monkeypatch, shift_from=60)
     runs = {}
     record = G.record
     # a kill after the bad path's checkpoints are deleted, before the rollback is recorded;
     # and one right after the escalation is recorded, before its QK-Norm is inserted
-    # (the killed runs start as the straight run was at step 60, the checkpoint it rolls back
-    # to: the same path, 60 steps shorter)
+    # (the killed runs start as the straight run was at step 40, the checkpoint it rolls back
+    # to: the same path, 40 steps shorter)
     for name, kill_at in (("straight", None), ("kill-rollback", (1, "before")),
                           ("kill-escalation", (2, "after"))):
         calls = []
         if kill_at:
-            as_at_step(tmp_path / "straight" / "run", tmp_path / name / "run", 60)
+            as_at_step(tmp_path / "straight" / "run", tmp_path / name / "run", 40)
 
         def killing(run_dir, event, calls=calls, kill_at=kill_at):
             calls.append(event)
@@ -2584,8 +2584,8 @@ def test_the_guard_escalates_a_relapsing_shift_to_qk_norm_and_a_kill_changes_not
             if kill_at == (len(calls), "after"):
                 raise Killed
         monkeypatch.setattr(G, "record", killing)
-        cfg = tiny(tmp_path / name, steps=120, checkpoint_every=20, keep_checkpoints=20,
-                   eval_every=120, guard__on=True, guard__escalate="qk-norm")
+        cfg = tiny(tmp_path / name, steps=80, checkpoint_every=20, keep_checkpoints=20,
+                   eval_every=80, guard__on=True, guard__escalate="qk-norm")
         killed = False
         try:
             T.train(cfg, devices=jax.devices()[:1])
@@ -2602,7 +2602,7 @@ def test_the_guard_escalates_a_relapsing_shift_to_qk_norm_and_a_kill_changes_not
     assert all(0 < e["max_logit"] < 1e3 for e in events)  # the signal when it acted
     m = R.read_metrics(tmp_path / "straight" / "run")
     after = m["loss"][m["step"] > events[1]["replaced_until"]]
-    assert after.max() < m["loss"][40:80].max() + 0.5  # no relapse: the planted nats are gone
+    assert after.max() < m["loss"][20:60].max() + 0.5  # no relapse: the planted nats are gone
     straight = final_state(runs["straight"])
     assert "q_norm" in straight["params"]["layers"]
     for name in ("kill-rollback", "kill-escalation"):
@@ -2611,13 +2611,13 @@ def test_the_guard_escalates_a_relapsing_shift_to_qk_norm_and_a_kill_changes_not
     # every tool reads the escalated model (config.json does not have it; events.jsonl does)
     run = tmp_path / "straight" / "run"
     cfg, step = CF.load_checkpointed(run, None)
-    assert cfg.model.qk_norm and step == 120
+    assert cfg.model.qk_norm and step == 80
     assert S.main([str(run), "--prompt", "ab", "--max-new-tokens", "4"]) == 0
     assert W.main(["--from", str(run), "--to", str(tmp_path / "w"), "--no-train"]) == 2
     assert "its guard inserted it" in capsys.readouterr().err
     # --resume-step to before the escalation: its record goes aside with the later checkpoints
     # (no KeyError), and the plain command goes on from there
-    cfg = dataclasses.replace(runs["straight"], resume_step=40)
+    cfg = dataclasses.replace(runs["straight"], resume_step=20)
     T.train(cfg, devices=jax.devices()[:1])
     (aside,) = run.glob("events.superseded-*.jsonl")
     assert [json.loads(x) for x in aside.read_text().splitlines()] == events

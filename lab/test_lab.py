@@ -259,18 +259,17 @@ def test_a_search_member_is_the_train_py_run_of_its_lr_and_seed(tmp_path):
                  seeds=(0, 1), batch_size=8, seq_len=32)
     arrays = H.train_group(g, chunk=50, eval_every=60, log=lambda s: None)
     assert arrays["loss"].shape == (4, 120) and arrays["attn_logit_max"].shape == (4, 120, 2)
-    for i, (lr, seed) in enumerate(H.member_grid(g)):
-        if i not in (1, 2):  # (1e-3, seed 1) and (3e-3, seed 0): both axes of the grid
-            continue
-        base = g.config(lr)
-        cfg = dataclasses.replace(base, run_dir=str(tmp_path / f"m{i}"), seed=seed,
-                                  eval_every=60, data=dataclasses.replace(base.data, seed=seed))
-        T.train(cfg, devices=jax.devices()[:1])
-        m = R.read_metrics(cfg.run_dir)
-        np.testing.assert_allclose(arrays["loss"][i], m["loss"], rtol=1e-5)
-        np.testing.assert_allclose(arrays["grad_norm"][i], m["grad_norm"], rtol=2e-3)
-        np.testing.assert_allclose(arrays["eval_loss"][i], m["eval_loss"], rtol=1e-5)
-        assert not np.array_equal(arrays["loss"][i], arrays["loss"][3 - i])  # members differ
+    lr, seed = H.member_grid(g)[3]  # (3e-3, seed 1): the second along both axes of the grid
+    base = g.config(lr)
+    cfg = dataclasses.replace(base, run_dir=str(tmp_path / "m3"), seed=seed, eval_every=60,
+                              data=dataclasses.replace(base.data, seed=seed))
+    T.train(cfg, devices=jax.devices()[:1])
+    m = R.read_metrics(cfg.run_dir)
+    np.testing.assert_allclose(arrays["loss"][3], m["loss"], rtol=1e-5)
+    np.testing.assert_allclose(arrays["grad_norm"][3], m["grad_norm"], rtol=2e-3)
+    np.testing.assert_allclose(arrays["eval_loss"][3], m["eval_loss"], rtol=1e-5)
+    for other in (1, 2):  # the same seed at the other LR, the same LR with the other seed
+        assert not np.allclose(arrays["loss"][3], arrays["loss"][other], rtol=1e-3)
 
 
 def test_a_group_killed_after_one_lr_goes_on_from_the_next(tmp_path, monkeypatch):
@@ -456,7 +455,9 @@ def test_a_qk_clip_fork_switches_it_on_at_the_fork_step_as_a_resume_does(tmp_pat
         cfg.optim, qk_clip_start=15)), src.seeds, **quiet)
     assert seeds == (0, 1) and int(f["first_step"]) == 15 and f["loss"].shape == (2, 15)
     np.testing.assert_allclose(one["loss"][:, :15], a["loss"][:, :15], rtol=1e-6)
-    np.testing.assert_allclose(f["loss"], one["loss"][:, 15:], rtol=1e-5)
+    # (rounding, amplified over the fork's 15 steps: 1.7e-5 relative at its last step under
+    # the suite's XLA flags; QK-Clip's effect, below, is past 1e-3)
+    np.testing.assert_allclose(f["loss"], one["loss"][:, 15:], rtol=1e-4)
     assert (f["qk_clip_heads"].sum(axis=1) > 0).all()  # it clipped heads after the fork
     assert not np.allclose(f["loss"][:, 1:], a["loss"][:, 16:], rtol=1e-3)  # and it mattered
 
