@@ -365,6 +365,7 @@ HALF_DECADE = 0.53
 
 
 D64 = "d_model 64, "  # a knob tried one width up is compared with that width as it is
+MUP = "muP (base width 32)"  # and muP also with its base width, d_model 32 as it is
 
 
 def knob_rows(record: dict) -> list[dict]:
@@ -375,7 +376,8 @@ def knob_rows(record: dict) -> list[dict]:
     for tag, names in [("as it is", ("width32", "width32-qk"))] + [
             (tag, (f"width32-{tag}", f"width32-{tag}-qk")) for tag in (*KNOBS, *KNOBS_COSTLY)] + [
             (D64 + "as it is", ("width64", "width64-qk")),
-            (D64 + "wd0", ("width64-wd0", "width64-wd0-qk"))]:
+            (D64 + "wd0", ("width64-wd0", "width64-wd0-qk")),
+            (D64 + MUP, ("width64-mup", "width64-qk-mup"))]:
         for qk, name in zip((False, True), names):
             if (r := grid(record, [name])) is None:
                 continue
@@ -432,6 +434,14 @@ def knobs_answer(rows: list[dict]) -> list[str]:
             f"{twin['decades']:.1f} decades")
         verdict = ". **Within half a decade while QK-Norm is not.**" if near and twin_ok else "."
         out.append(f"- {knob}: the baseline breaks {gap} ({moved}); {qk}{verdict}")
+        if knob.endswith(MUP) and (b32 := by.get(("as it is", False))) and base:
+            same = [k for k in ("best_lr", "break_lr") if r[k] == b32[k]]
+            out.append(f"  muP's transfer: best LR {show_lr(r['best_lr'])} and break "
+                       f"{show_lr(r['break_lr'])}, against its base width's (d_model 32) "
+                       f"{b32['best_lr']:g} and {show_lr(b32['break_lr'])} and the standard "
+                       f"d_model 64's {base['best_lr']:g} and {show_lr(base['break_lr'])}: "
+                       f"{' and '.join(k[:-3] for k in same) or 'neither'} as at the base "
+                       "width.")
     return out
 
 
