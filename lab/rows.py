@@ -269,11 +269,6 @@ EVIDENCE_GROUPS += [
     dataclasses.replace(EVIDENCE, name="story8-guard-escalate-gate", snapshot_every=0,
                         compare_with="story8-qk", guard=(("escalate", "attn-gate"),),
                         label="the guard, escalating to the gate (train.py)")]
-# The baseline once more with the final code, its attention sink and (absent) gate read at each
-# held-out evaluation (lab/probe.py): the no-gate side of the gate rows' sink figures, and a
-# third draw of the baseline.
-EVIDENCE_GROUPS.append(dataclasses.replace(EVIDENCE, name="story8-probed", snapshot_every=0,
-                                           label="the baseline a third time (probed)"))
 # Wortsman et al.'s small-scale proxy across widths (2309.14322, Fig. 1): does the break come
 # closer to the best LR as the model grows? d_model 32, 64, 128 at the story's depth, head_dim
 # 16 (the heads scale with the width, two query heads per KV head), the same data, tokens and

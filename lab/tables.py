@@ -689,7 +689,7 @@ def probe_markdown(record: dict) -> str:
     rows = [g for g in EVIDENCE_GROUPS if g.name in record["groups"]
             and "final_probe_sink" in record["groups"][g.name]["members"][0]]
     if not rows:
-        return "no probed row run yet (python -m lab.experiments story8-probed story8-gate)"
+        return "no probed row run yet (python -m lab.experiments story8-gate)"
     lines = ["| row (8 seeds, at step 4,000) | attention on the first token, per layer (mean "
              "over layers: seeds' range) | gate weight norm, per layer | gate's mean value, per "
              "layer |", "|---" * 4 + "|"]
