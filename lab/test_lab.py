@@ -438,7 +438,9 @@ def test_a_qk_clip_fork_switches_it_on_at_the_fork_step_as_a_resume_does(tmp_pat
                                                                          monkeypatch):
     """A fork without QK-Norm carries the kept state as it is and acts with QK-Clip from the
     fork step on: its steps are those of one run with `qk_clip_start` at that step, whose steps
-    before it are the source's (each to float32 rounding: the compiled programs differ)."""
+    before it are the source's (each to float32 rounding: the compiled programs differ). A
+    fork that inserts the attention gate (the parameters sharded as the harness's steps take
+    them) starts at the source's loss: the gate is exactly 1 there."""
     monkeypatch.setattr(H, "SNAPSHOTS", tmp_path)
     src = RW.Group("src", d_model=32, n_layers=1, steps=30, warmup_steps=5, lrs=(1e-2,),
                    seeds=(0, 1), batch_size=8, seq_len=32, snapshot_every=15)
@@ -460,6 +462,10 @@ def test_a_qk_clip_fork_switches_it_on_at_the_fork_step_as_a_resume_does(tmp_pat
     np.testing.assert_allclose(f["loss"], one["loss"][:, 15:], rtol=1e-4)
     assert (f["qk_clip_heads"].sum(axis=1) > 0).all()  # it clipped heads after the fork
     assert not np.allclose(f["loss"][:, 1:], a["loss"][:, 16:], rtol=1e-3)  # and it mattered
+    gated = dataclasses.replace(fork, name="gated", optim=(), model=RW.GATE)
+    _, g = H.train_fork(gated, log=lambda s: None)["parts"][15]
+    np.testing.assert_allclose(g["loss"][:, 0], a["loss"][:, 15], rtol=1e-6)
+    assert np.isfinite(g["probe_gate_mean"]).all() and (g["probe_gate_norm"] > 0).all()
 
 
 # ---------------------------------------------------------------------------------------------
