@@ -249,23 +249,24 @@ EVIDENCE_GROUPS += [
         ("update-clip-rms", None, {"update_clip": "rms"}, "update-RMS clipping alone"))]
 # The attention gate Marin kept (Marin's form: 2 * sigmoid, zero init, headwise), over the same
 # seeds: from scratch without QK-Norm and with it, inserted mid-run (exactly 1 at insertion),
-# and as the guard's escalation. The insertion forks from story8-rerun (the final code, whose
-# kept states a pinned rerun rebuilds bitwise; story8's own predate a refactor), beside QK-Norm
-# inserted at the same forks: the two rescues from one source, seed for seed.
+# and as the guard's escalation. The insertion forks from story8-probed: the baseline trained
+# again with this code, one niced pinned core, AMD EPYC, its states kept every 250 steps and
+# the probes of lab/probe.py read at each held-out eval (the no-gate side of the sink). Its
+# curves are story8's bit for bit (all 4,000 steps, all 8 seeds; story8-rerun's it parts from
+# at steps 1-21), so its forks are story8-qk-inserted's: QK-Norm and the gate inserted at the
+# same steps of the same runs.
 GATE = (("attn_gate", "headwise"), ("attn_gate_form", "marin"))
 EVIDENCE_GROUPS += [
+    dataclasses.replace(EVIDENCE, name="story8-probed",
+                        label="the baseline trained again (story8 bit for bit, probed)"),
     dataclasses.replace(EVIDENCE, name="story8-gate", snapshot_every=0, model=GATE,
                         compare_with="story8-qk", label="the attention gate from scratch"),
     dataclasses.replace(EVIDENCE, name="story8-gate-qk", snapshot_every=0, model=GATE,
                         qk_norm=True, label="the gate with QK-Norm from scratch"),
-    dataclasses.replace(EVIDENCE, name="story8-gate-inserted", fork="story8-rerun", model=GATE,
+    dataclasses.replace(EVIDENCE, name="story8-gate-inserted", fork="story8-probed", model=GATE,
                         snapshot_every=0, compare_with="story8-qk",
                         optim=(("rewarmup_steps", 100), ("rewarmup_from_ratio", 0.1)),
-                        label="the gate inserted mid-run (from the rerun)"),
-    dataclasses.replace(EVIDENCE, name="story8-qk-inserted-rerun", fork="story8-rerun",
-                        qk_norm=True, snapshot_every=0, compare_with="story8-qk",
-                        optim=(("rewarmup_steps", 100), ("rewarmup_from_ratio", 0.1)),
-                        label="QK-Norm inserted at the same forks"),
+                        label="the gate inserted mid-run"),
     dataclasses.replace(EVIDENCE, name="story8-guard-escalate-gate", snapshot_every=0,
                         compare_with="story8-qk", guard=(("escalate", "attn-gate"),),
                         label="the guard, escalating to the gate (train.py)")]
