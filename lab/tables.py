@@ -18,6 +18,7 @@ from lab import harness
 from lab.harness import read_curve, seed_curve
 from lab.rows import (
     EVIDENCE_GROUPS,
+    EVIDENCE_SEEDS,
     KNOBS,
     KNOBS_COSTLY,
     LEVER_BREAKS,
@@ -690,18 +691,22 @@ def probe_markdown(record: dict) -> str:
             and "final_probe_sink" in record["groups"][g.name]["members"][0]]
     if not rows:
         return "no probed row run yet (python -m lab.experiments story8-gate)"
-    lines = ["| row (8 seeds, at step 4,000) | attention on the first token, per layer (mean "
-             "over layers: seeds' range) | gate weight norm, per layer | gate's mean value, per "
-             "layer |", "|---" * 4 + "|"]
+    lines = [f"| row ({len(EVIDENCE_SEEDS)} seeds, at step 4,000) | attention on the first token, "
+             "per layer (mean over layers: seeds' range) | gate weight norm, per layer | gate's "
+             "mean value, per layer |", "|---" * 4 + "|"]
     for g in rows:
         ms = record["groups"][g.name]["members"]
         cells = []
         for key in ("final_probe_sink", "final_probe_gate_norm", "final_probe_gate_mean"):
+            if "gate" in key and "attn_gate" not in dict(g.model):
+                cells.append("— (no gate)")
+                continue
             v = np.array([m[key] for m in ms])  # [seeds, layers]
             cells.append("/".join(f"{x:.3f}" for x in v.mean(0)) + (
                 f" ({v.mean(1).min():.3f}-{v.mean(1).max():.3f})" if key.endswith("sink")
                 else ""))
-        lines.append(f"| {g.label or g.name} | {' | '.join(cells)} |")
+        seeds = "" if len(ms) == len(EVIDENCE_SEEDS) else f" ({len(ms)} seeds)"
+        lines.append(f"| {g.label or g.name}{seeds} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
