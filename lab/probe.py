@@ -17,6 +17,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 import model as M
 from attention import cap
@@ -37,6 +38,18 @@ def first_token_mass(q_BTNH, k_BTKH, softcap: float = 0.0):
     return jnp.mean(probs[..., 1:, 0])
 
 
+def sink_mass(q_BTNH, k_BTKH, softcap: float = 0.0):
+    """first_token_mass over q, k sharded as model.attention's (batch over "data", heads over
+    "model"): per device, as attention.attend computes, then the mean of the devices' equal
+    shares; outside a mesh, directly."""
+    spec = M.shard("batch", "seq", "heads", "head_dim")
+    if spec is None:
+        return first_token_mass(q_BTNH, k_BTKH, softcap)
+    return jnp.mean(jax.shard_map(lambda q, k: first_token_mass(q, k, softcap)[None],
+                                  in_specs=(spec, spec), out_specs=P(tuple(a for a in spec if a)),
+                                  check_vma=False)(q_BTNH, k_BTKH))
+
+
 def probe(params: dict, tokens_BT, cfg: M.ModelConfig) -> dict[str, jnp.ndarray]:
     """PROBE_KEYS, each [L], for one model's params on tokens [B, T]."""
     layers, dtype = params["layers"], jnp.dtype(cfg.dtype)
@@ -48,7 +61,7 @@ def probe(params: dict, tokens_BT, cfg: M.ModelConfig) -> dict[str, jnp.ndarray]
         p = M._gather({k: v[i] for k, v in layers.items()}, cfg, dtype)
         h_BTD = M.rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
         q, k, _ = M.qkv(h_BTD, p, cfg)
-        sink.append(first_token_mass(q, k, cfg.attn_softcap))
+        sink.append(sink_mass(q, k, cfg.attn_softcap))
         if cfg.attn_gate != "none":
             norm.append(jnp.linalg.norm(p["w_attn_gate"]))
             mean.append(jnp.mean(M.attention_gate(h_BTD, p, cfg)))

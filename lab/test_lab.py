@@ -342,8 +342,8 @@ def test_an_lr_killed_between_evaluations_goes_on_from_the_last_one_bitwise(tmp_
     """An LR of d_model 128 is ~46 minutes on one core: its state and metrics are kept at each
     held-out evaluation, and a killed LR goes on from there; every array then equals the
     uninterrupted run's bit for bit, and the progress file goes once the LR's arrays are kept."""
-    g = RW.Group("resumed", d_model=32, n_layers=1, steps=12, warmup_steps=4, lrs=(1e-2,),
-                 seeds=(0, 1), batch_size=8, seq_len=32)
+    g = RW.Group("resumed", d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, steps=12,
+                 warmup_steps=4, lrs=(1e-2,), seeds=(0, 1), batch_size=8, seq_len=32)
     quiet = dict(chunk=3, eval_every=6, log=lambda s: None)
     whole = H.train_members(g.config(1e-2), g.seeds, **quiet)
 
