@@ -370,7 +370,7 @@ def rope_tables(T: int, H: int, theta: float, offset=0):
         return jnp.cos(angle_TH2)[None, :, None, :], jnp.sin(angle_TH2)[None, :, None, :]
 
 
-def _gather(p: dict, cfg: ModelConfig, dtype) -> dict:
+def gather_weights(p: dict, cfg: ModelConfig, dtype) -> dict:
     """FSDP all-gather of one layer's (or the top-level) weights, cast to the compute dtype.
     Outside any mesh (sampling on one device) only the cast."""
     if jax.sharding.get_abstract_mesh().empty:
@@ -464,12 +464,12 @@ def forward(params: dict, tokens_BT, cfg: ModelConfig, head_stats: bool = False)
     """Logits [B, T, V] (float32) and per-layer statistics {"attn_logit_max": [L]} (with
     `head_stats` also "attn_logit_max_per_head": [L, N])."""
     dtype = jnp.dtype(cfg.dtype)
-    top = _gather(params, cfg, dtype)
+    top = gather_weights(params, cfg, dtype)
     x_BTD = scaled_embedding(
         top["embed"].at[tokens_BT].get(out_sharding=shard("batch", "seq", "act_embed")), cfg)
 
     def block(x_BTD, layer_params):
-        p = _gather(layer_params, cfg, dtype)
+        p = gather_weights(layer_params, cfg, dtype)
         attn_BTD, stats = attention(rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps), p, cfg,
                                     head_stats)
         x_BTD = x_BTD + attn_BTD
@@ -500,12 +500,12 @@ def forward_cached(params: dict, tokens_BT, cache: dict, cfg: ModelConfig):
     device, outside any mesh (sampling): the params are plain, unsharded arrays. The block is
     `forward`'s (qkv, mlp); its attention is the reference form over the cache's keys."""
     dtype, pos = jnp.dtype(cfg.dtype), cache["pos"]
-    top = _gather(params, cfg, dtype)
+    top = gather_weights(params, cfg, dtype)
     x_BTD = scaled_embedding(top["embed"][tokens_BT], cfg)
 
     def block(x_BTD, layer):
         layer_params, k_cache_BSKH, v_cache_BSKH = layer
-        p = _gather(layer_params, cfg, dtype)
+        p = gather_weights(layer_params, cfg, dtype)
         h_BTD = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
         q_BTNH, k_BTKH, v_BTKH = qkv(h_BTD, p, cfg, pos)
         k_cache_BSKH = jax.lax.dynamic_update_slice(k_cache_BSKH, k_BTKH, (0, pos, 0, 0))

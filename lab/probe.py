@@ -53,12 +53,12 @@ def sink_mass(q_BTNH, k_BTKH, softcap: float = 0.0):
 def probe(params: dict, tokens_BT, cfg: M.ModelConfig) -> dict[str, jnp.ndarray]:
     """PROBE_KEYS, each [L], for one model's params on tokens [B, T]."""
     layers, dtype = params["layers"], jnp.dtype(cfg.dtype)
-    top = M._gather(params, cfg, dtype)  # (as model.forward: FSDP-sharded weights gathered)
+    top = M.gather_weights(params, cfg, dtype)  # (as model.forward: FSDP shards gathered)
     x_BTD = M.scaled_embedding(
         top["embed"].at[tokens_BT].get(out_sharding=M.shard("batch", "seq", "act_embed")), cfg)
     sink, norm, mean = [], [], []
     for i in range(cfg.n_layers):
-        p = M._gather({k: v[i] for k, v in layers.items()}, cfg, dtype)
+        p = M.gather_weights({k: v[i] for k, v in layers.items()}, cfg, dtype)
         h_BTD = M.rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
         q, k, _ = M.qkv(h_BTD, p, cfg)
         sink.append(sink_mass(q, k, cfg.attn_softcap))
