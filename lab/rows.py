@@ -348,11 +348,13 @@ LEVER_BREAKS = {"baseline": ("width32",), "QK-Norm": ("width32-qk", "width32-qk-
 # Does muP remove the need for QK-Norm? (marin #1570.) The widths rows under --model.param mup,
 # base width 32 (where muP is the standard model: width32 and width32-qk are its d_model 32
 # rows), judged by the widths rows' rules: does the best LR transfer, does the break stay put?
-# d_model 64 on the LRs that bracket d_model 32's best (3e-3) and break (0.3): ~18 min an LR.
+# The LRs that bracket the base width's best (3e-3) and break (0.3) and the standard width's
+# (64: 1e-3, 0.1; 128: 1e-3, 3e-2), 1e-3 to 0.3; QK-Norm's arm on to 1, its break at both
+# standard widths: ~18 min an LR at d_model 64, ~47 min at 128 (one core, AMD EPYC).
 MUP_ROWS = [dataclasses.replace(g, name=f"{g.name}-mup",
                                 model=(("param", "mup"), ("mup_base_width", 32)),
                                 compare_with=f"width{g.d_model}-qk-mup" if not g.qk_norm else "",
-                                lrs=WIDTH_LRS[1:-1] if g.d_model == 64 else g.lrs)
+                                lrs=WIDTH_LRS[1:] if g.qk_norm else WIDTH_LRS[1:-1])
             for g in WIDTH_ROWS if g.d_model > 32 and (not g.qk_norm or g.d_model == 128)]
 HARNESS_ROWS = {g.name: g for g in (*LEVERS, *SWEEP, *EVIDENCE_GROUPS, *WIDTH_ROWS, *ZLOSS_ROWS,
                                     *KNOB_ROWS, *BREAK_ROWS, *MUP_ROWS)}
