@@ -333,6 +333,9 @@ BREAK_ROWS = [
                         compare_with="width32-qk"),
     dataclasses.replace(WIDTH32, name="width32-softcap50", model=(("attn_softcap", 50.0),),
                         lrs=(0.03, 0.1, 0.3, 1.0), compare_with="width32-qk"),
+    # (its grid's top, 1, had no break: on to 3 and 10 as QK-Norm's)
+    dataclasses.replace(WIDTH32, name="width32-softcap50-high", model=(("attn_softcap", 50.0),),
+                        lrs=(3.0, 10.0), compare_with="width32-qk"),
     dataclasses.replace(WIDTH32, name="width32-qk-clip100", optim=(("qk_clip", 100.0),),
                         lrs=(0.03, 0.1, 0.3, 1.0, 3.0), compare_with="width32-qk"),
     dataclasses.replace(WIDTH32, name="width32-embed-scale", model=(("embed_scale", True),),
@@ -343,7 +346,8 @@ BREAK_ROWS.append(dataclasses.replace(WIDTH32, name="width32-gate", model=GATE,
 LEVER_BREAKS = {"baseline": ("width32",), "QK-Norm": ("width32-qk", "width32-qk-high"),
                 "the attention gate": ("width32-gate",),
                 "QK-Norm + soft-cap 50": ("width32-qk-softcap50",),
-                "soft-cap 50": ("width32-softcap50",), "QK-Clip 100": ("width32-qk-clip100",),
+                "soft-cap 50": ("width32-softcap50", "width32-softcap50-high"),
+                "QK-Clip 100": ("width32-qk-clip100",),
                 "Scaled Embed": ("width32-embed-scale",)}
 # Does muP remove the need for QK-Norm? (marin #1570.) The widths rows under --model.param mup,
 # base width 32 (where muP is the standard model: width32 and width32-qk are its d_model 32
