@@ -333,7 +333,9 @@ BREAK_ROWS = [
                         compare_with="width32-qk"),
     dataclasses.replace(WIDTH32, name="width32-softcap50", model=(("attn_softcap", 50.0),),
                         lrs=(0.03, 0.1, 0.3, 1.0), compare_with="width32-qk"),
-    # (its grid's top, 1, had no break: on to 3 and 10 as QK-Norm's)
+    # (declared on a misreading: the runner's log counts level shifts after S1 only, none at
+    # 1; by the table's rule, any level shift, the soft-cap breaks at 0.3 and these LRs add
+    # only that 3 and 10 break too)
     dataclasses.replace(WIDTH32, name="width32-softcap50-high", model=(("attn_softcap", 50.0),),
                         lrs=(3.0, 10.0), compare_with="width32-qk"),
     dataclasses.replace(WIDTH32, name="width32-qk-clip100", optim=(("qk_clip", 100.0),),

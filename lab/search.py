@@ -79,11 +79,11 @@ def story_found(verdicts: list[dict], min_spikes: int = 3) -> list[tuple[str, fl
 
 def summary(rows: list[dict]) -> str:
     verdicts = judge(rows)
-    lines = [f"{'group':<24} {'lr':>7} {'seed':>4} {'S1':>5} {'spikes>S1':>9} {'shifts':>6} "
+    lines = [f"{'group':<24} {'lr':>7} {'seed':>4} {'S1':>5} {'spikes>S1':>9} {'shifts>S1':>9} "
              f"{'qk spikes':>9} {'held-out':>8} {'qk':>6} {'max logit':>9}"]
     for v in verdicts:
         lines.append(f"{v['group']:<24} {v['lr']:>7.1e} {v['seed']:>4} {str(v['s1']):>5} "
-                     f"{v['spikes_after_s1']:>9} {v['shifts_after_s1']:>6} "
+                     f"{v['spikes_after_s1']:>9} {v['shifts_after_s1']:>9} "
                      f"{str(v['qk_spikes']):>9} {v['eval']:>8.3f} "
                      f"{v['qk_eval'] if v['qk_eval'] is None else round(v['qk_eval'], 3)!s:>6} "
                      f"{v['max_logit']:>9.3g}")
