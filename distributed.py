@@ -277,8 +277,18 @@ class StopRequested:
     def __init__(self, run_dir: pathlib.Path):
         self.signal, self.run_dir = None, run_dir
         self.multi = jax.process_count() > 1
-        for sig in (signal.SIGINT,) if self.multi else (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self.handle)
+        sigs = (signal.SIGINT,) if self.multi else (signal.SIGINT, signal.SIGTERM)
+        self.before = {sig: signal.signal(sig, self.handle) for sig in sigs}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        """The handlers as they were: a run that returned (train() in process, as the guarded
+        rows of lab/harness.py call it one seed after another) must not swallow the next
+        signal, which would reach its flag and no loop."""
+        for sig, handler in self.before.items():
+            signal.signal(sig, handler)
 
     def handle(self, signum, frame):
         name = signal.Signals(signum).name

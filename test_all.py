@@ -2526,7 +2526,11 @@ def test_the_guard_rolls_back_a_poisoned_batch_and_never_applies_it(tmp_path, mo
 def test_a_rollback_below_the_step_a_resumed_process_started_at_is_no_traceback(
         tmp_path, monkeypatch, capsys):
     """Killed (Ctrl-C) after step 6, resumed at 7: the poisoned batch 7 rolls the resumed
-    process back to step 6, below where it started; the progress line's ETA stays defined."""
+    process back to step 6, below where it started; the progress line's ETA stays defined.
+    Each train() in process leaves the signal handlers as it found them (a run's handler left
+    behind would take the next SIGTERM into its flag, which no loop reads any more)."""
+    handlers = lambda: (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    before = handlers()
     plant_guard_events(monkeypatch, poison={7})
     cfg = tiny(tmp_path, steps=12, checkpoint_every=2, keep_checkpoints=10, guard__on=True,
                guard__margin=1, log_every=1)
@@ -2541,8 +2545,10 @@ def test_a_rollback_below_the_step_a_resumed_process_started_at_is_no_traceback(
         T.train(cfg, devices=jax.devices()[:1])
     monkeypatch.setattr(DI.StopRequested, "requested", requested)
     assert C.saved_steps(tmp_path / "run")[-1] == 7
+    assert handlers() == before
     capsys.readouterr()
     T.train(cfg, devices=jax.devices()[:1])
+    assert handlers() == before
     out = capsys.readouterr().out
     (e,) = R.read_events(tmp_path / "run")
     assert (e["rollback_to"], e["replaced_until"]) == (6, 8)

@@ -291,7 +291,8 @@ def train(cfg: TrainConfig, devices=None) -> dict:
         if jax.process_index() == 0:
             write_config(run_dir, dataclasses.asdict(user_cfg))
         mngr = mngr or checkpoint_manager(run_dir, cfg.keep_checkpoints)
-        return run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg, events)
+        with StopRequested(run_dir) as stop:
+            return run_loop(cfg, tx, state, data, mesh, mngr, run_dir, stop, user_cfg, events)
 
 
 def guard_action(trigger, cfg, user_cfg, events: list, mngr, run_dir, mesh, log, held_out):
@@ -380,8 +381,9 @@ class GuardHook:
         self.watch = guard.Watch.replay(cfg.guard, self.seen, step, guard.watch_since(self.events))
 
 
-def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None, events=()) -> dict:
-    """Train from the state's step to cfg.steps, phase by phase as nanoGPT's loop does. With
+def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, stop, user_cfg=None, events=()) -> dict:
+    """Train from the state's step to cfg.steps, phase by phase as nanoGPT's loop does, saving
+    and exiting after the step where `stop` (a StopRequested) saw a signal. With
     --guard, its hook judges each logged step and may answer with a point to go on from (a
     rollback, an escalation): the loop goes on from there with what the guard changed."""
     batch_sharding = jax.NamedSharding(mesh, BATCH)
@@ -397,7 +399,7 @@ def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, user_cfg=None, events=()
     if cfg.steps < cfg.optim.warmup_steps:
         say(f"note: --steps {cfg.steps} ends inside the LR warmup ({cfg.optim.warmup_steps} "
             "steps): the run never reaches its peak LR")
-    stop, log = StopRequested(run_dir), Log(cfg, run_dir, start)
+    log = Log(cfg, run_dir, start)
     train_step, eval_step = make_train_step(cfg, tx), make_eval_step(cfg)
     hook = GuardHook(cfg, user_cfg or cfg, list(events), mngr, run_dir, mesh, log, start,
                      lambda p: float(eval_step(state["params"] if p is None else p, eval_tokens))
