@@ -28,9 +28,10 @@ import numpy as np
 import train as T
 from checkpoint import init_state, insert_new_leaves
 from cli import UserError, written_whole
-from config import TrainConfig, make_tx
+from config import TrainConfig, load_checkpointed, make_tx
 from data import TokenData
 from distributed import MeshConfig, make_mesh
+from export import restore_params
 from lab.probe import PROBE_KEYS, probe
 from lab.rows import REGISTRY, ZLOSS_ROWS, Group
 from report import (
@@ -257,9 +258,25 @@ def train_guarded(g: Group, log=print) -> dict:
             "escalated_at": np.array(next((e["rollback_to"] for e in m.get("guard_events", [])
                                            if e.get("escalation")), -1))})
         per[-1]["eval_step"] = m["eval_step"] + 1  # logged at step N - 1: after N steps
+        per[-1] |= probe_run(pathlib.Path(cfg.run_dir))
     arrays = {k: np.stack([p[k] for p in per]) for k in per[0] if k != "eval_step"}
     return arrays | {"eval_step": per[0]["eval_step"].astype(int), "first_step": 0,
                      "seconds": time.perf_counter() - t}
+
+
+def probe_run(run_dir: pathlib.Path) -> dict:
+    """lab/probe.py's figures of a train.py run's last checkpoint (the model as the guard left
+    it) on the held-out batches the harness probes, each [1, L]: at the end only. The gate's
+    are NaN where the run has no gate (a seed the guard never escalated)."""
+    cfg, step = load_checkpointed(run_dir, None)
+    params = restore_params(run_dir, step, cfg)
+    t = TokenData(cfg.data, cfg.model.vocab_size).held_out_batches()
+    with jax.set_mesh(one_device_mesh()):
+        out = jax.jit(lambda p, t: probe(p, t, cfg.model))(params, t[..., :-1].reshape(
+            -1, t.shape[-1] - 1))
+    no_gate = cfg.model.attn_gate == "none"
+    return {k: np.asarray(v, np.float32)[None] * (np.nan if no_gate and "gate" in k else 1)
+            for k, v in out.items()}
 
 
 def curve_arrays(group: str, a: dict) -> dict:

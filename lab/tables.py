@@ -47,6 +47,7 @@ from lab.stats import (
 from report import find_shifts, find_spikes, spike_score
 
 RESULTS = pathlib.Path("results")
+ESCALATED_TO = {"qk-norm": "QK-Norm", "attn-gate": "the attention gate", "qk-clip": "QK-Clip"}
 
 def update_readme(text: str, readme: pathlib.Path = pathlib.Path("results/README.md"),
                   part: str = "results", writer: str = "lab/experiments.py") -> None:
@@ -698,11 +699,14 @@ def probe_markdown(record: dict) -> str:
         ms = record["groups"][g.name]["members"]
         cells = []
         for key in ("final_probe_sink", "final_probe_gate_norm", "final_probe_gate_mean"):
-            if "gate" in key and "attn_gate" not in dict(g.model):
+            if "gate" in key and "attn_gate" not in dict(g.model) and (
+                    dict(g.guard).get("escalate") != "attn-gate"):
                 cells.append("— (no gate)")
                 continue
-            v = np.array([m[key] for m in ms])  # [seeds, layers]
-            cells.append("/".join(f"{x:.3f}" for x in v.mean(0)) + (
+            v = np.array([m[key] for m in ms], float)  # [seeds, layers]; NaN: no gate there
+            gated = int(np.sum(np.isfinite(v[:, 0])))
+            cells.append("/".join(f"{x:.3f}" for x in np.nanmean(v, 0)) + (
+                f" ({gated} gated seeds)" if gated < len(ms) else "") + (
                 f" ({v.mean(1).min():.3f}-{v.mean(1).max():.3f})" if key.endswith("sink")
                 else ""))
         seeds = "" if len(ms) == len(EVIDENCE_SEEDS) else f" ({len(ms)} seeds)"
@@ -793,6 +797,7 @@ def evidence_markdown(rows: list[dict]) -> str:
                      f"{cens[0]} / {cens[1]} | "
                      + " | ".join(f"{share(a)} / {share(b)}" for a, b in
                                   zip(r["survival"], r["survival_twin"])) + " |")
+    guarded = {g.name: dict(g.guard) for g in EVIDENCE_GROUPS if g.guard}
     for r in rows:
         if r.get("guard"):
             gd = r["guard"]
@@ -803,7 +808,8 @@ def evidence_markdown(rows: list[dict]) -> str:
                 f"{np.mean(gd['guard_actions']):.1f} guard actions per seed "
                 f"({min(gd['guard_actions'])}-{max(gd['guard_actions'])}), steps computed again "
                 f"{min(share):.1%}-{max(share):.1%} of the run's (mean {np.mean(share):.1%}); "
-                f"escalated to QK-Norm in {len(at)} of {len(gd['escalated_at'])} seeds"
+                f"escalated to {ESCALATED_TO[guarded[r['group']]['escalate']]} "
+                f"in {len(at)} of {len(gd['escalated_at'])} seeds"
                 + (f" (from steps {', '.join(f'{s:,}' for s in sorted(at))})" if at else "")
                 + (f"; level shifts taken as the data's: {sum(gd['data_records'])} "
                    f"({', '.join(map(str, gd['data_records']))} per seed)"

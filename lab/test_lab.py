@@ -408,6 +408,12 @@ def test_a_guarded_group_is_its_train_py_runs_and_a_second_run_reads_them(tmp_pa
         assert C.read_config(tmp_path / "guarded" / f"seed{seed}")["seed"] == seed
     assert list(a["eval_step"]) == [12] and a["recomputed"].tolist() == [0, 0]
     assert not np.array_equal(a["loss"][0], a["loss"][1])
+    # lab/probe.py's figures of each run's last checkpoint: the sink a share of the attention,
+    # the gate's NaN (no escalation happened, so no gate); the seeds' sinks differ
+    assert a["probe_sink"].shape == (2, 1, 2) and np.all((a["probe_sink"] > 0)
+                                                         & (a["probe_sink"] < 1))
+    assert np.isnan(a["probe_gate_norm"]).all() and np.isnan(a["probe_gate_mean"]).all()
+    assert not np.array_equal(a["probe_sink"][0], a["probe_sink"][1])
     files = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("metrics.jsonl")}
     again = H.train_guarded(g, log=lambda s: None)  # finished: read back, not trained again
     np.testing.assert_array_equal(again["loss"], a["loss"])
