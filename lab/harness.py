@@ -109,8 +109,7 @@ def train_members(cfg: TrainConfig, seeds, chunk: int = 50, eval_every: int = 25
             state = jax.jit(jax.vmap(lambda s: init_state(cfg.model, s, tx)))(seeds_M)
         run_chunk = jax.jit(lambda s, t: jax.lax.scan(body, s, t), donate_argnums=0)
         eval_loss = jax.vmap(T.make_eval_step(cfg), in_axes=(0, None))  # train.py's
-        probes = jax.vmap(lambda p, t: probe(p, t[..., :-1].reshape(-1, t.shape[-1] - 1),
-                                              cfg.model), in_axes=(0, None))
+        probes = jax.vmap(lambda p, t: probe(p, probe_inputs(t), cfg.model), in_axes=(0, None))
         eval_fn = jax.jit(lambda p, t: {"eval_loss": eval_loss(p, t)} | probes(p, t))
         held_out = jnp.asarray(datas[0].held_out_batches())
         first = int(state["step"][0])
@@ -264,6 +263,11 @@ def train_guarded(g: Group, log=print) -> dict:
                      "seconds": time.perf_counter() - t}
 
 
+def probe_inputs(held_out):
+    """The held-out batches [n, B, T + 1] as lab/probe.py reads them: the inputs, [n * B, T]."""
+    return held_out[..., :-1].reshape(-1, held_out.shape[-1] - 1)
+
+
 def probe_run(run_dir: pathlib.Path) -> dict:
     """lab/probe.py's figures of a train.py run's last checkpoint (the model as the guard left
     it) on the held-out batches the harness probes, each [1, L]: at the end only. The gate's
@@ -272,8 +276,7 @@ def probe_run(run_dir: pathlib.Path) -> dict:
     params = restore_params(run_dir, step, cfg)
     t = TokenData(cfg.data, cfg.model.vocab_size).held_out_batches()
     with jax.set_mesh(one_device_mesh()):
-        out = jax.jit(lambda p, t: probe(p, t, cfg.model))(params, t[..., :-1].reshape(
-            -1, t.shape[-1] - 1))
+        out = jax.jit(lambda p, t: probe(p, t, cfg.model))(params, probe_inputs(t))
     no_gate = cfg.model.attn_gate == "none"
     return {k: np.asarray(v, np.float32)[None] * (np.nan if no_gate and "gate" in k else 1)
             for k, v in out.items()}
