@@ -48,7 +48,8 @@ class ModelConfig:
     attention_block: int = 256  # blockwise: positions per query / key block
     attn_softcap: float = 0.0  # scores -> c * tanh(s / c) before the softmax (Gemma 2: 50); 0: off
     # Scaled Embed (Takase et al. 2312.16903, "Spike No More"): the token embeddings times
-    # sqrt(d_model), so that the residual stream starts near std 1 instead of init_std.
+    # sqrt(d_model), a large shortcut against the sub-layers. NOTE: from N(0, init_std) the
+    # stream starts at std init_std * sqrt(d_model): 0.11 at d_model 32, 1 only near 2,500.
     embed_scale: bool = False
     # The attention gate (Qiu et al., Gated Attention, 2505.06708; Marin kept it): a gate on each
     # head's output before the output projection, from the block's normed input; one per head

@@ -82,6 +82,7 @@ from lab.tables import (
     knobs_markdown,
     lever_break_rows,
     lever_breaks_markdown,
+    lever_breaks_top,
     levers_markdown,
     mechanism,
     mechanism_table,
@@ -592,6 +593,8 @@ def harness_tables(args: Args) -> None:
         update_readme(s1_markdown(record), part="s1")
         update_readme(probe_markdown(record), part="probes")
         print(f"wrote the 8-seed rows in {RESULTS}/results.json ('evidence')")
+    if args.breaks and args.plot:
+        update_readme(lever_breaks_top(record), pathlib.Path("README.md"), "lever-breaks")
     for flag, text, part, figure in (
             (args.levers, levers_markdown, "levers", plot_levers),
             (args.sweep, sweep_markdown, "lr-sweep", plot_sweep),

@@ -471,8 +471,8 @@ def lever_break_rows(record: dict) -> list[dict]:
     return rows
 
 
-def lever_breaks_markdown(record: dict) -> str:
-    rows = lever_break_rows(record)
+def lever_breaks_markdown(record: dict, rows: list[dict] | None = None) -> str:
+    rows = lever_break_rows(record) if rows is None else rows
     if not rows:
         return "no lever's break run yet"
     lines = ["| lever (d_model 32, 3 seeds) | LRs run | break LR (each seed's) | x the baseline's "
@@ -488,6 +488,17 @@ def lever_breaks_markdown(record: dict) -> str:
         lines.append(f"| {r['lever']} | {', '.join(format(x, 'g') for x in r['lrs'])} | "
                      f"{brk} ({each}) | {ratio} |")
     return "\n".join(lines)
+
+
+def lever_breaks_top(record: dict) -> str:
+    """The README's cut of the lever table: the baseline and the levers whose pooled break moved
+    (a ratio other than 1), then the names of those that left it where the baseline's is."""
+    rows = lever_break_rows(record)
+    moved = [r for r in rows if r["lever"] == "baseline" or r["ratio"] != 1]
+    same = [r["lever"] for r in rows if r not in moved]
+    text = lever_breaks_markdown(record, moved)
+    return text + (f"\n\nThe break where the baseline's is (x1): {', '.join(same)}; every row "
+                   "with its LRs in results/README.md." if same else "")
 
 
 def zloss_rows(record: dict) -> list[dict]:

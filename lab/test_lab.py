@@ -667,7 +667,8 @@ def test_the_knob_and_lever_tables_read_the_distance_and_the_break_ratio_per_see
         "width32-b2.999": members(grid, (1e-2, 1e-2, 1e-2)),
         "width32-b2.999-qk": members(grid, (None,) * 3),
         "width32-softcap50": members((0.03, 0.1), (0.03, 0.03, 0.03)),
-        "width32-embed-scale": members((0.03, 0.1), (None,) * 3)}}
+        "width32-embed-scale": members((0.03, 0.1), (None,) * 3),
+        "width32-gate": members(grid, (0.3, 0.1, 0.3))}}
     rows = {(r["knob"], r["qk_norm"]): r for r in TB.knob_rows(record)}
     assert rows[("as it is", False)]["decades"] == pytest.approx(2.0)
     assert rows[("b2.999", False)]["seed_decades"] == pytest.approx([np.log10(1e-2 / 3e-3)] * 3)
@@ -684,6 +685,10 @@ def test_the_knob_and_lever_tables_read_the_distance_and_the_break_ratio_per_see
         in table
     assert "| Scaled Embed | 0.03, 0.1 | none up to 0.1 (none, none, none) | > 0.33 (—, —, —) |" \
         in table
+    top = TB.lever_breaks_top(record)  # the README's cut: the gate's break is the baseline's
+    assert "| QK-Norm |" in top and "| Scaled Embed |" in top and "| the attention gate |" \
+        not in top and top.endswith("(x1): the attention gate; every row with its LRs in "
+                                    "results/README.md.")
 
 
 def test_the_zloss_table_reads_the_output_logits_from_the_stored_curves(tmp_path, monkeypatch):
@@ -735,17 +740,22 @@ def test_the_zloss_table_reads_the_output_logits_from_the_stored_curves(tmp_path
 
 
 def test_the_stored_tables_are_recomputed_from_the_stored_curves_digit_for_digit():
-    """results/README.md's harness tables, recomputed from results/search.json and the curves as
-    stored (each kept to what curve_arrays keeps), equal the text printed there; results/ stays
-    under 60 MB. (The evidence table takes a minute: python -m lab.experiments --evidence.)"""
+    """results/README.md's harness tables (and the README's cut of the lever table), recomputed
+    from results/search.json and the curves as stored (each kept to what curve_arrays keeps),
+    equal the text printed there; results/ stays under 60 MB. (The evidence table takes a
+    minute: python -m lab.experiments --evidence.)"""
     root = pathlib.Path(__file__).parent.parent
-    readme = (root / "results" / "README.md").read_text()
     record = H.load()
-    for part, table in (("levers", TB.levers_markdown), ("lr-sweep", TB.sweep_markdown),
-                        ("widths", TB.widths_markdown), ("zloss", TB.zloss_markdown)):
+    for readme, part, table in (
+            *[("results/README.md", part, table) for part, table in (
+                ("levers", TB.levers_markdown), ("lr-sweep", TB.sweep_markdown),
+                ("widths", TB.widths_markdown), ("zloss", TB.zloss_markdown),
+                ("knobs", TB.knobs_markdown), ("lever-breaks", TB.lever_breaks_markdown))],
+            ("README.md", "lever-breaks", TB.lever_breaks_top)):
+        text = (root / readme).read_text()
         start = f"<!-- {part}: written by lab/experiments.py -->\n"
-        stored = readme[readme.index(start) + len(start):readme.index(f"<!-- /{part} -->")]
-        assert table(record).strip() == stored.strip(), part
+        stored = text[text.index(start) + len(start):text.index(f"<!-- /{part} -->")]
+        assert table(record).strip() == stored.strip(), (readme, part)
     for path in sorted((root / "results" / "curves").glob("*/*.npz"))[::40]:
         c = H.read_curve(path.parent.name, path.stem)
         assert H.curve_arrays(path.parent.name, c).keys() == c.keys(), path  # kept as it says
