@@ -366,6 +366,16 @@ def widths_answer(rows: list[dict]) -> list[str]:
 HALF_DECADE = 0.53
 
 
+FLIP = {"": "", "<=": ">= ", ">=": "<= "}  # the distance's bound, from the best LR's
+
+
+def edge(r: dict) -> str:
+    """A best LR at its grid's lowest LR is an upper bound on the best (a lower LR may do better)
+    and the distance a lower bound; at the highest the reverse. Added before the costly knobs'
+    rows were tabled; the rule for best and break is the widths rows' as it was."""
+    return "" if r["bracketed"] else "<=" if r["best_lr"] == r["lrs"][0] else ">="
+
+
 D64 = "d_model 64, "  # a knob tried one width up is compared with that width as it is
 MUP = "muP (base width 32)"  # and muP also with its base width, d_model 32 as it is
 
@@ -402,12 +412,14 @@ def knobs_markdown(record: dict) -> str:
              "|---" * 6 + "|"]
     for r in rows:
         seeds = ", ".join("—" if d is None else f"{d:.1f}" for d in r["seed_decades"])
+        e = edge(r)
         lines.append(
-            f"| {r['knob']} | {'yes' if r['qk_norm'] else 'no'} | {r['best_lr']:g} "
+            f"| {r['knob']} | {'yes' if r['qk_norm'] else 'no'} | {e and e + ' '}{r['best_lr']:g} "
             f"({', '.join(format(x, 'g') for x in r['best_lr_seeds'])}) | "
             f"{show_lr(r['break_lr'])} "
             f"({', '.join('none' if x is None else format(x, 'g') for x in r['break_lr_seeds'])})"
-            f" | {'—' if r['decades'] is None else format(r['decades'], '.1f')} ({seeds}) | "
+            f" | {'—' if r['decades'] is None else FLIP[e] + format(r['decades'], '.1f')} "
+            f"({seeds}) | "
             f"{'—' if r['break_lr'] is None else format(r['max_logit'][r['break_lr']], ',.0f')}"
             " |")
     return "\n".join(lines + [""] + knobs_answer(rows))
@@ -424,16 +436,20 @@ def knobs_answer(rows: list[dict]) -> list[str]:
             continue
         base = by.get((D64 + "as it is" if knob.startswith(D64) else "as it is", False))
         twin = by.get((knob, True))
-        near = r["decades"] is not None and r["decades"] <= HALF_DECADE
+        # a best at the grid's lowest LR leaves only a lower bound on the distance: not "within"
+        near = r["decades"] is not None and r["decades"] <= HALF_DECADE and edge(r) != "<="
         twin_ok = twin is not None and (twin["decades"] is None or twin["decades"] > HALF_DECADE)
-        moved = (f"{r['decades'] - base['decades']:+.1f} decades against the proxy as it is"
+        at = {"": "", "<=": "at least ", ">=": "at most "}
+        moved = (at[edge(r)] + f"{r['decades'] - base['decades']:+.1f} decades against the "
+                 "proxy as it is"
                  if base and base["decades"] is not None and r["decades"] is not None else
                  "not comparable (a break outside a grid)")
-        gap = "nowhere in the grid" if r["decades"] is None else \
-            f"{r['decades']:.1f} decades above its best LR"
+        gap = "nowhere in the grid" if r["decades"] is None else (
+            at[edge(r)] + f"{r['decades']:.1f} decades above its best LR"
+            + (" (its best at the grid's edge)" if edge(r) else ""))
         qk = "QK-Norm's arm has not run" if twin is None else "with QK-Norm " + (
             "no break in the grid" if twin["decades"] is None else
-            f"{twin['decades']:.1f} decades")
+            at[edge(twin)] + f"{twin['decades']:.1f} decades")
         verdict = ". **Within half a decade while QK-Norm is not.**" if near and twin_ok else "."
         out.append(f"- {knob}: the baseline breaks {gap} ({moved}); {qk}{verdict}")
         if knob.endswith(MUP) and (b32 := by.get(("as it is", False))) and base:

@@ -652,6 +652,7 @@ def test_the_knob_and_lever_tables_read_the_distance_and_the_break_ratio_per_see
     """Planted d_model 32 members: the proxy as it is breaks at 0.3 (seeds 0, 2) and 0.1
     (seed 1) with its best at 3e-3; under beta2 0.999 the baseline breaks from 1e-2 in every
     seed (half a decade above its best) while its QK-Norm twin never does: the goal's verdict.
+    Under eps 1e-15 the best sits at the grid's lowest LR: the distance a lower bound, no verdict.
     QK-Norm's break is read over width32-qk and width32-qk-high pooled (at 3), a lever that
     breaks at its grid's lowest LR reads "<=", one that never breaks "> its highest"."""
     def members(lrs, brk, best=3e-3):  # brk: each seed's first LR with a shift (None: none)
@@ -666,6 +667,8 @@ def test_the_knob_and_lever_tables_read_the_distance_and_the_break_ratio_per_see
         "width32-qk-high": members((3.0, 10.0), (3.0, 3.0, 10.0)),
         "width32-b2.999": members(grid, (1e-2, 1e-2, 1e-2)),
         "width32-b2.999-qk": members(grid, (None,) * 3),
+        "width32-eps1e-15": members(grid, (3e-3,) * 3, best=1e-3),
+        "width32-eps1e-15-qk": members(grid, (None,) * 3, best=1e-3),
         "width32-softcap50": members((0.03, 0.1), (0.03, 0.03, 0.03)),
         "width32-embed-scale": members((0.03, 0.1), (None,) * 3),
         "width32-gate": members(grid, (0.3, 0.1, 0.3))}}
@@ -676,6 +679,11 @@ def test_the_knob_and_lever_tables_read_the_distance_and_the_break_ratio_per_see
     assert ("- b2.999: the baseline breaks 0.5 decades above its best LR (-1.5 decades against "
             "the proxy as it is); with QK-Norm no break in the grid. **Within half a decade "
             "while QK-Norm is not.**") in text
+    assert ("- eps1e-15: the baseline breaks at least 0.5 decades above its best LR (its best at "
+            "the grid's edge) (at least -1.5 decades against the proxy as it is); with QK-Norm no "
+            "break in the grid.") in text.splitlines()  # the whole line: no verdict after it
+    assert "| eps1e-15 | no | <= 0.001 (0.001, 0.001, 0.001) | 0.003 (0.003, 0.003, 0.003) | " \
+        ">= 0.5 (0.5, 0.5, 0.5) |" in text
     levers = {r["lever"]: r for r in TB.lever_break_rows(record)}
     assert levers["QK-Norm"]["break_lr"] == 3.0 and levers["QK-Norm"]["ratio"] == 10.0
     assert levers["QK-Norm"]["seed_ratios"] == pytest.approx([10.0, 30.0, 100 / 3])
