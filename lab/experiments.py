@@ -25,8 +25,8 @@ results/results.json (with the machine and each run's wall time), the figures to
 and the table into results/README.md between the `results` markers.
 
 The harness rows (the levers from scratch, the LR sweep, the 8-seed evidence, the widths, the
-knobs) are trained by lab/harness.py and tabled by lab/tables.py from the stored curves. Nothing
-in a table is typed by hand.
+knobs) are trained by lab/harness.py and tabled by lab/tables.py (the story's evidence) and
+lab/breaks.py (best and break LR) from the stored curves. Nothing in a table is typed by hand.
 """
 
 import dataclasses
@@ -46,6 +46,18 @@ from checkpoint import saved_steps
 from cli import UserError, command, parse
 from config import PRESETS
 from lab import harness, search
+from lab.breaks import (
+    knob_rows,
+    knobs_markdown,
+    lever_break_rows,
+    lever_breaks_markdown,
+    lever_breaks_top,
+    sweep_markdown,
+    width_rows,
+    widths_markdown,
+    zloss_markdown,
+    zloss_rows,
+)
 from lab.figures import (
     figures,
     plot_evidence,
@@ -78,24 +90,14 @@ from lab.tables import (
     evidence_markdown,
     evidence_rows,
     judged,
-    knob_rows,
-    knobs_markdown,
-    lever_break_rows,
-    lever_breaks_markdown,
-    lever_breaks_top,
     levers_markdown,
     mechanism,
     mechanism_table,
     probe_markdown,
     readme_summary,
     s1_markdown,
-    sweep_markdown,
     update_readme,
-    width_rows,
-    widths_markdown,
     write_results_json,
-    zloss_markdown,
-    zloss_rows,
 )
 from report import (
     find_shifts,

@@ -38,9 +38,7 @@ from lab.rows import (
 from lab.stats import (
     first_match,
 )
-from lab.tables import (
-    update_readme,
-)
+from lab.tables import update_readme
 
 # ---------------------------------------------------------------------------------------------
 # Outcomes

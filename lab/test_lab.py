@@ -17,6 +17,7 @@ import pytest
 import checkpoint as C
 import report as R
 import train as T
+from lab import breaks as BR
 from lab import experiments as EX
 from lab import figures as FG
 from lab import foresight as F
@@ -194,7 +195,7 @@ def test_a_rescue_catches_up_at_the_first_eval_within_005_of_qk_norm_at_that_ste
 def test_lr_sensitivity_recovery_and_the_spread_rule():
     finals = {"1e-3": 2.5, "1e-2": 2.0, "3e-2": 2.2, "1e-1": 6.0, "3e-1": np.nan}
     # 1e-1 ends above the initial loss and 3e-1 diverged: both count at the initial 5.5
-    assert TB.lr_sensitivity(finals, 5.5) == pytest.approx(np.mean([2.5, 2.0, 2.2, 5.5, 5.5])
+    assert BR.lr_sensitivity(finals, 5.5) == pytest.approx(np.mean([2.5, 2.0, 2.2, 5.5, 5.5])
                                                            - 2.0)
     spiky = {"step": np.arange(300.0), "loss": np.full(300, 2.0)}
     rescue = {"step": np.arange(150.0, 300.0), "loss": np.r_[np.full(30, 2.5), np.full(120, 1.9)]}
@@ -497,7 +498,7 @@ def test_the_search_judges_s1_and_the_spikes_after_it_by_the_fixed_rules():
 
 
 # ---------------------------------------------------------------------------------------------
-# lab/tables.py and lab/figures.py: every table from the stored curves
+# lab/tables.py, lab/breaks.py and lab/figures.py: every table from the stored curves
 
 def test_the_levers_count_events_after_the_baselines_s1_of_each_seed():
 
@@ -580,14 +581,14 @@ def test_the_lr_sweep_reads_final_losses_and_lr_sensitivity_per_seed(tmp_path, m
             {"seed": s, "eval_step": [4000], "eval_loss": [x], "finite": bool(np.isfinite(x)),
              "spike_steps": [1200] * s, "shift_steps": [], "max_attn_logit": 10.0 ** (s + 1)}
             for s, x in enumerate(finals[key])]}
-    rows = TB.sweep_rows(record)
+    rows = BR.sweep_rows(record)
     assert [(r["lr"], r["qk_norm"]) for r in rows] == sorted(finals)
-    sens = TB.sensitivity(rows)
+    sens = BR.sensitivity(rows)
     # seed 0 without QK-Norm: 9.0 ends above the initial 5.5, counted at 5.5; seed 1 diverged
     assert sens[False] == pytest.approx([(2.0 + 5.5) / 2 - 2.0, (2.2 + 5.5) / 2 - 2.2,
                                          (2.1 + 2.6) / 2 - 2.1])
     assert sens[True] == pytest.approx([0.05, 0.05, 0.05])
-    text = TB.sweep_markdown(record)
+    text = BR.sweep_markdown(record)
     assert "| 0.3 | no | non-finite in 1 of 3 seeds | 0, 1, 2 | 0, 0, 0 | 10–1,000 |" in text
     assert "| 0.1 | yes | 1.750 ± 0.050 |" in text
     # 6: the grid's LRs in Wortsman's range (1 is outside it)
@@ -620,8 +621,8 @@ def test_the_widths_table_finds_the_best_and_the_break_lr_per_width(tmp_path, mo
         for s in range(3):  # the first step's loss: the same at every LR
             for lr in ("0.0001", "0.001"):
                 np.savez(tmp_path / name / f"lr{lr}-seed{s}.npz", loss=np.array([5.5, 5.0]))
-    rows = {r["qk_norm"]: r for r in TB.width_rows(record) if r["width"] == 32}
-    wide = next(r for r in TB.width_rows(record) if r["width"] == 64)
+    rows = {r["qk_norm"]: r for r in BR.width_rows(record) if r["width"] == 32}
+    wide = next(r for r in BR.width_rows(record) if r["width"] == 64)
     assert wide["lrs"][0] == 1e-4 and wide["sensitivity"] == rows[False]["sensitivity"]
     assert rows[False]["best_lr"] == 1e-2 and rows[False]["bracketed"]
     assert rows[False]["break_lr_seeds"] == [3e-2, 1e-1, 3e-1]  # 3e-1: non-finite
@@ -632,7 +633,7 @@ def test_the_widths_table_finds_the_best_and_the_break_lr_per_width(tmp_path, mo
     # 3e-1 (the diverged 3e-1 at 5.5; LR 1 is outside), mean minus the best
     assert rows[False]["sensitivity"][0] == pytest.approx(np.mean([2.3, 1.9, 2.0, 2.4, 5.5]) - 1.9)
     assert rows[False]["initial"] == 5.5  # where widths.png's loss axis ends
-    text = TB.widths_markdown(record)
+    text = BR.widths_markdown(record)
     assert "| 32 | no | 0.01 (0.01, 0.01, 0.01) | yes | 0.1 (0.03, 0.1, 0.3) | 1.0 |" in text
     assert ("| 32 | yes | 0.001 (0.001, 0.001, 0.001) | no: at the edge of the grid | none in "
             "the grid (none, none, none) | — |") in text
@@ -642,7 +643,7 @@ def test_the_widths_table_finds_the_best_and_the_break_lr_per_width(tmp_path, mo
     assert FG.plot_widths(record, tmp_path).name == "widths.png"  # the figure draws them
     monkeypatch.setattr(TB, "RESULTS", tmp_path)  # results.json: the sweep beside the rows
     (tmp_path / "results.json").write_text('{"rows": {"baseline": 1}}')
-    TB.write_results_json({"widths": TB.width_rows(record)})
+    TB.write_results_json({"widths": BR.width_rows(record)})
     stored = json.loads((tmp_path / "results.json").read_text())
     assert stored["rows"] == {"baseline": 1} and stored["widths"][0]["break_lr"] == 1e-1
     assert stored["widths"][0]["final"]["1.0"] == [None] * 3  # diverged: null, not NaN
@@ -672,10 +673,10 @@ def test_the_knob_and_lever_tables_read_the_distance_and_the_break_ratio_per_see
         "width32-softcap50": members((0.03, 0.1), (0.03, 0.03, 0.03)),
         "width32-embed-scale": members((0.03, 0.1), (None,) * 3),
         "width32-gate": members(grid, (0.3, 0.1, 0.3))}}
-    rows = {(r["knob"], r["qk_norm"]): r for r in TB.knob_rows(record)}
+    rows = {(r["knob"], r["qk_norm"]): r for r in BR.knob_rows(record)}
     assert rows[("as it is", False)]["decades"] == pytest.approx(2.0)
     assert rows[("b2.999", False)]["seed_decades"] == pytest.approx([np.log10(1e-2 / 3e-3)] * 3)
-    text = TB.knobs_markdown(record)
+    text = BR.knobs_markdown(record)
     assert ("- b2.999: the baseline breaks 0.5 decades above its best LR (-1.5 decades against "
             "the proxy as it is); with QK-Norm no break in the grid. **Within half a decade "
             "while QK-Norm is not.**") in text
@@ -684,16 +685,16 @@ def test_the_knob_and_lever_tables_read_the_distance_and_the_break_ratio_per_see
             "break in the grid.") in text.splitlines()  # the whole line: no verdict after it
     assert "| eps1e-15 | no | <= 0.001 (0.001, 0.001, 0.001) | 0.003 (0.003, 0.003, 0.003) | " \
         ">= 0.5 (0.5, 0.5, 0.5) |" in text
-    levers = {r["lever"]: r for r in TB.lever_break_rows(record)}
+    levers = {r["lever"]: r for r in BR.lever_break_rows(record)}
     assert levers["QK-Norm"]["break_lr"] == 3.0 and levers["QK-Norm"]["ratio"] == 10.0
     assert levers["QK-Norm"]["seed_ratios"] == pytest.approx([10.0, 30.0, 100 / 3])
     assert levers["soft-cap 50"]["bound"] == "<=" and levers["Scaled Embed"]["bound"] == ">"
-    table = TB.lever_breaks_markdown(record)
+    table = BR.lever_breaks_markdown(record)
     assert "| soft-cap 50 | 0.03, 0.1 | <= 0.03 (0.03, 0.03, 0.03) | <= 0.1 (0.1, 0.3, 0.1) |" \
         in table
     assert "| Scaled Embed | 0.03, 0.1 | none up to 0.1 (none, none, none) | > 0.33 (—, —, —) |" \
         in table
-    top = TB.lever_breaks_top(record)  # the README's cut: the gate's break is the baseline's
+    top = BR.lever_breaks_top(record)  # the README's cut: the gate's break is the baseline's
     assert "| QK-Norm |" in top and "| Scaled Embed |" in top and "| the attention gate |" \
         not in top and top.endswith("(x1): the attention gate; every row with its LRs in "
                                     "results/README.md.")
@@ -725,7 +726,7 @@ def test_the_zloss_table_reads_the_output_logits_from_the_stored_curves(tmp_path
                                 "eval_loss": [5.0, final], "max_attn_logit": 50.0 + s,
                                 "shift_steps": [120] if lr == 1.0 and not qk else []})
         record["groups"][name] = {"members": members, "machine": {"cpu": "planted"}}
-    rows = {(r["z_loss"], r["qk_norm"], r["lr"]): r for r in TB.zloss_rows(record)}
+    rows = {(r["z_loss"], r["qk_norm"], r["lr"]): r for r in BR.zloss_rows(record)}
     assert len(rows) == 6
     off = rows[0.0, False, 1.0]
     assert off["broke"] == 3 and np.isnan(off["final"][2]) and off["final"][0] == 3.0
@@ -734,7 +735,7 @@ def test_the_zloss_table_reads_the_output_logits_from_the_stored_curves(tmp_path
     assert off["log_z_end"][0] == pytest.approx(-np.mean(np.arange(100, 200)))
     on = rows[1e-4, False, 0.1]
     assert on["out_logit_max"] == pytest.approx([1.0, 2.0, 3.0]) and on["broke"] == 0
-    text = TB.zloss_markdown(record)
+    text = BR.zloss_markdown(record)
     assert "| 0 | no | 1 | 1 of 3 non-finite | 3 of 3 | 1e+03 | -133.83 | 52 |" in text
     assert "| 0.0001 | no | 0.1 | 2.200 (2.100, 2.300) | 0 of 3 | 3 | -1.15 | 52 |" in text
     assert ("- without QK-Norm: held-out, z-loss off minus on (5 seed-and-LR pairs): mean -0.060 "
@@ -742,7 +743,7 @@ def test_the_zloss_table_reads_the_output_logits_from_the_stored_curves(tmp_path
     assert "with QK-Norm: held-out" not in text  # no z-loss-on group with QK-Norm planted
     assert FG.plot_zloss(record, tmp_path).name == "zloss.png"
     monkeypatch.setattr(TB, "RESULTS", tmp_path)
-    TB.write_results_json({"widths_zloss": TB.zloss_rows(record)})
+    TB.write_results_json({"widths_zloss": BR.zloss_rows(record)})
     stored = json.loads((tmp_path / "results.json").read_text())["widths_zloss"]
     assert len(stored) == 6 and stored[1]["final"][2] is None  # the non-finite seed: null
 
@@ -756,10 +757,10 @@ def test_the_stored_tables_are_recomputed_from_the_stored_curves_digit_for_digit
     record = H.load()
     for readme, part, table in (
             *[("results/README.md", part, table) for part, table in (
-                ("levers", TB.levers_markdown), ("lr-sweep", TB.sweep_markdown),
-                ("widths", TB.widths_markdown), ("zloss", TB.zloss_markdown),
-                ("knobs", TB.knobs_markdown), ("lever-breaks", TB.lever_breaks_markdown))],
-            ("README.md", "lever-breaks", TB.lever_breaks_top)):
+                ("levers", TB.levers_markdown), ("lr-sweep", BR.sweep_markdown),
+                ("widths", BR.widths_markdown), ("zloss", BR.zloss_markdown),
+                ("knobs", BR.knobs_markdown), ("lever-breaks", BR.lever_breaks_markdown))],
+            ("README.md", "lever-breaks", BR.lever_breaks_top)):
         text = (root / readme).read_text()
         start = f"<!-- {part}: written by lab/experiments.py -->\n"
         stored = text[text.index(start) + len(start):text.index(f"<!-- /{part} -->")]
