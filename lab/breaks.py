@@ -246,7 +246,7 @@ def knob_rows(record: dict) -> list[dict]:
             (D64 + "wd0", ("width64-wd0", "width64-wd0-qk")),
             (D64 + MUP, ("width64-mup", "width64-qk-mup"))]:
         for qk, name in zip((False, True), names):
-            if (r := grid(record, [name])) is None:
+            if (r := grid(record, [name, f"{name}-high"])) is None:  # an arm's higher LRs too
                 continue
             r["seed_decades"] = [math.log10(b / a) if b else None
                                  for a, b in zip(r["best_lr_seeds"], r["break_lr_seeds"])]
