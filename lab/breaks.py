@@ -221,7 +221,9 @@ def widths_answer(rows: list[dict]) -> list[str]:
 HALF_DECADE = 0.53
 
 
-FLIP = {"": "", "<=": ">= ", ">=": "<= "}  # the distance's bound, from the best LR's
+# the distance's bound from the best LR's edge(): in the table, and in words
+FLIP = {"": "", "<=": ">= ", ">=": "<= "}
+AT = {"": "", "<=": "at least ", ">=": "at most "}
 
 
 def edge(r: dict) -> str:
@@ -294,17 +296,16 @@ def knobs_answer(rows: list[dict]) -> list[str]:
         # a best at the grid's lowest LR leaves only a lower bound on the distance: not "within"
         near = r["decades"] is not None and r["decades"] <= HALF_DECADE and edge(r) != "<="
         twin_ok = twin is not None and (twin["decades"] is None or twin["decades"] > HALF_DECADE)
-        at = {"": "", "<=": "at least ", ">=": "at most "}
-        moved = (at[edge(r)] + f"{r['decades'] - base['decades']:+.1f} decades against the "
+        moved = (AT[edge(r)] + f"{r['decades'] - base['decades']:+.1f} decades against the "
                  "proxy as it is"
                  if base and base["decades"] is not None and r["decades"] is not None else
                  "not comparable (a break outside a grid)")
         gap = "nowhere in the grid" if r["decades"] is None else (
-            at[edge(r)] + f"{r['decades']:.1f} decades above its best LR"
+            AT[edge(r)] + f"{r['decades']:.1f} decades above its best LR"
             + (" (its best at the grid's edge)" if edge(r) else ""))
         qk = "QK-Norm's arm has not run" if twin is None else "with QK-Norm " + (
             "no break in the grid" if twin["decades"] is None else
-            at[edge(twin)] + f"{twin['decades']:.1f} decades")
+            AT[edge(twin)] + f"{twin['decades']:.1f} decades")
         verdict = ". **Within half a decade while QK-Norm is not.**" if near and twin_ok else "."
         out.append(f"- {knob}: the baseline breaks {gap} ({moved}); {qk}{verdict}")
         if knob.endswith(MUP) and (b32 := by.get(("as it is", False))) and base:
