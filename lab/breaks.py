@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from lab.harness import read_curve
+from lab.harness import group_cpu, read_curve
 from lab.rows import (
     KNOBS,
     KNOBS_COSTLY,
@@ -134,8 +134,7 @@ def grid(record: dict, names) -> dict | None:
                 for i in range(len(seeds))]
     return {"lrs": lrs, "seeds": seeds, "final": final, "broke": broke, "best_lr": best,
             "bracketed": lrs[0] < best < lrs[-1],
-            "cpu": record["groups"][next(n for n in names if n in record["groups"])].get(
-                "machine", {}).get("cpu"),
+            "cpu": group_cpu(record["groups"][next(n for n in names if n in record["groups"])]),
             "break_lr": brk, "decades": math.log10(brk / best) if brk else None,
             "best_lr_seeds": [min(f, key=f.get) for f in per_seed],
             "break_lr_seeds": [next((lr for lr in lrs if broke[lr][i]), None)
@@ -388,7 +387,7 @@ def zloss_rows(record: dict) -> list[dict]:
             rows.append({
                 "z_loss": g.z_loss_weight, "qk_norm": g.qk_norm, "lr": lr,
                 "seeds": [m["seed"] for m in ms],
-                "cpu": record["groups"][g.name].get("machine", {}).get("cpu"),
+                "cpu": group_cpu(record["groups"][g.name]),
                 "final": [m["eval_loss"][-1] if m["finite"] else math.nan for m in ms],
                 "broke": sum(bool(m["shift_steps"]) or not m["finite"] for m in ms),
                 "out_logit_max": [float(np.nanmax(c["out_logit_max"])) for c in curves],

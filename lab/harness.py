@@ -207,6 +207,9 @@ def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print,
         if settings.exists() and settings.read_text() != stored:
             raise UserError(f"{keep} holds LRs of another {g.name}: remove it to train anew")
         settings.write_text(stored)
+        with open(keep / SESSIONS, "a") as f:  # a group may span sessions, and CPUs: each call's
+            f.write(json.dumps({"machine": machine(), "kept": sorted(  # machine, and what it found
+                path.name for path in keep.glob("lr*.npz"))}, sort_keys=True) + "\n")
     parts = []
     for lr in g.lrs:
         path = keep / f"lr{lr:g}.npz" if keep is not None else None
@@ -230,7 +233,28 @@ def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print,
     arrays = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]
               if k not in ("eval_step", "seconds", "first_step", "chunk_seconds")}
     return arrays | {"eval_step": parts[0]["eval_step"], "first_step": parts[0]["first_step"],
-                     "seconds": sum(p["seconds"] for p in parts)}
+                     "seconds": sum(p["seconds"] for p in parts)} | (
+        {"sessions": read_sessions(keep)} if keep is not None else {})
+
+
+SESSIONS = "sessions.jsonl"  # in a kept folder: one line per train_group call that trained in it
+
+
+def read_sessions(keep: pathlib.Path) -> list[dict]:
+    """The machine of each train_group call that trained in `keep`, oldest first."""
+    try:
+        return [json.loads(line) for line in (keep / SESSIONS).read_text().splitlines()]
+    except (OSError, ValueError) as e:
+        raise UserError(f"{keep / SESSIONS} cannot be read ({type(e).__name__}): the group's "
+                        f"machines are unknown; remove {keep} to train it anew") from None
+
+
+def group_cpu(entry: dict) -> str | None:
+    """The CPU model a recorded group ran on, each one joined where its LRs ran on several;
+    None where its record names none (the first groups')."""
+    cpus = [s["machine"].get("cpu") for s in entry.get("sessions", [])] or [
+        entry.get("machine", {}).get("cpu")]
+    return " + ".join(dict.fromkeys(c for c in cpus if c)) or None
 
 
 def train_guarded(g: Group, log=print) -> dict:
@@ -500,6 +524,7 @@ def run(groups: list[Group], report=None) -> None:
         if g.name in load()["groups"]:
             continue
         print(f"{g.name}: {len(member_grid(g))} members, {g.steps} steps", flush=True)
+        sessions = []  # where one process trained it all, `machine` below says it all
         if g.fork:
             parts = train_fork(g, log=lambda s: print(s, flush=True))["parts"]
             members = [(g.lrs[0], s, a, i) for seeds, a in parts.values()
@@ -517,6 +542,7 @@ def run(groups: list[Group], report=None) -> None:
                     snapshot=functools.partial(save_snapshot, g.name))
             else:  # LR by LR, each kept as it finishes (its progress at each evaluation)
                 a = train_group(g, log=log, keep=SNAPSHOTS / g.name)
+                sessions = a.pop("sessions")
             members = [(lr, s, a, i) for i, (lr, s) in enumerate(member_grid(g))]
             seconds = a["seconds"]
         (SEED_CURVES / g.name).mkdir(parents=True, exist_ok=True)
@@ -532,9 +558,11 @@ def run(groups: list[Group], report=None) -> None:
         save_group(g.name, {"settings": g.settings(), "lrs": list(g.lrs),
                             "seeds": sorted({s for _, s, _, _ in members}),
                             "seconds": round(seconds), "machine": machine(),
-                            "members": outcomes(g, members)})
-        for path in (SNAPSHOTS / g.name).glob("lr*.npz"):  # recorded: the kept LRs go
-            path.unlink()
+                            "members": outcomes(g, members)}
+                   | ({"sessions": sessions} if len(sessions) > 1 else {}))
+        for path in (*(SNAPSHOTS / g.name).glob("lr*.npz"),  # recorded: the kept LRs go
+                     SNAPSHOTS / g.name / SESSIONS):
+            path.unlink(missing_ok=True)
         if report is not None:  # every member recorded so far
             report([r for v in load()["groups"].values() for r in v["members"]])
 

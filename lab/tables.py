@@ -15,7 +15,7 @@ import numpy as np
 from checkpoint import strict_json
 from cli import UserError, written_whole
 from lab import harness
-from lab.harness import read_curve, seed_curve
+from lab.harness import group_cpu, read_curve, seed_curve
 from lab.rows import (
     EVIDENCE_GROUPS,
     EVIDENCE_SEEDS,
@@ -232,7 +232,7 @@ def evidence_rows(record: dict, base: str = "story8", twin: str = "story8-qk",
                    if k in members[0]}
         guarded |= {"run_steps": g.steps} if guarded else {}
         rows.append({"group": g.name, "seeds": seeds, "per_seed": per, "guard": guarded,
-                     "cpu": record["groups"][g.name].get("machine", {}).get("cpu", "?"),
+                     "cpu": group_cpu(record["groups"][g.name]) or "?",
                      **{key: {"values": [float(x) for x in v], "mean": float(np.mean(v)),
                               "ci": bootstrap(v)} for key, v in stats.items()},
                      "survival": survival([r for p in per for r in p["recoveries"]]),

@@ -297,6 +297,36 @@ def test_a_group_killed_after_one_lr_goes_on_from_the_next(tmp_path, monkeypatch
         H.train_group(dataclasses.replace(g, steps=8), log=lambda s: None, keep=tmp_path)
 
 
+def test_a_group_trained_in_two_calls_records_each_calls_machine(tmp_path, monkeypatch):
+    """A d_model 128 row spans sessions, and a session may get another CPU model: run() records
+    the machine of each call that trained the group (and what it found kept), the tables name
+    every CPU model (group_cpu, which they call), and the kept folder is emptied once the group
+    is recorded."""
+    g = RW.Group("spanned", d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, steps=8,
+                 warmup_steps=4, lrs=(1e-3, 1e-2), seeds=(0,), batch_size=8, seq_len=32)
+    monkeypatch.setattr(H, "OUT", tmp_path / "search.json")
+    monkeypatch.setattr(H, "SEED_CURVES", tmp_path / "curves")
+    monkeypatch.setattr(H, "SNAPSHOTS", tmp_path / "kept")
+    real, calls = H.train_members, []
+
+    def killed_once(*args, **kw):  # the first call dies in its second LR
+        calls.append(kw.get("progress"))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+    monkeypatch.setattr(H, "train_members", killed_once)
+    with pytest.raises(KeyboardInterrupt):
+        H.run([g])
+    H.run([g])
+    entry = H.load()["groups"]["spanned"]
+    assert len(calls) == 3 and [s["kept"] for s in entry["sessions"]] == [[], ["lr0.001.npz"]]
+    assert entry["sessions"][1]["machine"] == entry["machine"] == H.machine()
+    assert sorted(p.name for p in (tmp_path / "kept" / "spanned").iterdir()) == ["settings.json"]
+    one, two = ({"machine": {"cpu": c}} for c in ("AMD EPYC", "Intel Xeon"))
+    assert H.group_cpu({**two, "sessions": [one, one, two]}) == "AMD EPYC + Intel Xeon"
+    assert H.group_cpu(two) == "Intel Xeon" and H.group_cpu({}) is None
+
+
 def test_damaged_kept_arrays_and_records_are_one_line_each(tmp_path, monkeypatch):
     """What the harness wrote and reads back, damaged, is a UserError naming the file: a kept
     LR truncated, empty or without its loss; a kept folder without its settings.json, or whose
