@@ -485,43 +485,6 @@ def forward(params: dict, tokens_BT, cfg: ModelConfig, head_stats: bool = False)
     return logits_BTV.astype(jnp.float32), stats_L
 
 
-# ---------------------------------------------------------------------------------------------
-# Decoding with a KV cache (sample.py): the same math as `forward`, one new chunk at a time
-
-def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
-    """Keys and values of every layer for `length` positions, and how many are filled."""
-    shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
-    return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype),
-            "pos": jnp.zeros((), jnp.int32)}
-
-
-def forward_cached(params: dict, tokens_BT, cache: dict, cfg: ModelConfig):
-    """Logits [B, T, V] of T new tokens at positions cache["pos"]..+T-1, attending to every
-    earlier position through the cache; returns (logits, the cache with them added). For one
-    device, outside any mesh (sampling): the params are plain, unsharded arrays. The block is
-    `forward`'s (qkv, mlp); its attention is the reference form over the cache's keys."""
-    dtype, pos = jnp.dtype(cfg.dtype), cache["pos"]
-    top = gather_weights(params, cfg, dtype)
-    x_BTD = scaled_embedding(top["embed"][tokens_BT], cfg)
-
-    def block(x_BTD, layer):
-        layer_params, k_cache_BSKH, v_cache_BSKH = layer
-        p = gather_weights(layer_params, cfg, dtype)
-        h_BTD = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
-        q_BTNH, k_BTKH, v_BTKH = qkv(h_BTD, p, cfg, pos)
-        k_cache_BSKH = jax.lax.dynamic_update_slice(k_cache_BSKH, k_BTKH, (0, pos, 0, 0))
-        v_cache_BSKH = jax.lax.dynamic_update_slice(v_cache_BSKH, v_BTKH, (0, pos, 0, 0))
-        out_BTNH, _ = A.dense(q_BTNH, k_cache_BSKH, v_cache_BSKH, q_offset=pos,
-                              softcap=cfg.attn_softcap)
-        x_BTD = x_BTD + output_projection(out_BTNH, h_BTD, p, cfg)
-        return x_BTD + mlp(rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps), p), (k_cache_BSKH,
-                                                                                v_cache_BSKH)
-
-    x_BTD, (k, v) = jax.lax.scan(block, x_BTD, (params["layers"], cache["k"], cache["v"]))
-    logits_BTV = readout_input(rms_norm(x_BTD, top["final_norm"], cfg.norm_eps), cfg) @ top["head"]
-    return logits_BTV.astype(jnp.float32), {"k": k, "v": v, "pos": pos + tokens_BT.shape[1]}
-
-
 def loss_fn(params: dict, tokens_BT1, cfg: ModelConfig, head_stats: bool = False):
     """Next-token cross-entropy plus z-loss over a [B, T+1] token batch.
 

@@ -22,10 +22,56 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 
+import attention as A
 from cli import UserError, command, parse
 from config import TrainConfig, load_checkpointed
 from export import restore_params
-from model import ModelConfig, forward_cached, init_cache
+from model import (
+    ModelConfig,
+    gather_weights,
+    mlp,
+    output_projection,
+    qkv,
+    readout_input,
+    rms_norm,
+    scaled_embedding,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Decoding with a KV cache: the same math as model.py's `forward`, one new chunk at a time
+
+def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
+    """Keys and values of every layer for `length` positions, and how many are filled."""
+    shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype),
+            "pos": jnp.zeros((), jnp.int32)}
+
+
+def forward_cached(params: dict, tokens_BT, cache: dict, cfg: ModelConfig):
+    """Logits [B, T, V] of T new tokens at positions cache["pos"]..+T-1, attending to every
+    earlier position through the cache; returns (logits, the cache with them added). For one
+    device, outside any mesh (sampling): the params are plain, unsharded arrays. The block is
+    model.forward's (qkv, mlp); its attention is the reference form over the cache's keys."""
+    dtype, pos = jnp.dtype(cfg.dtype), cache["pos"]
+    top = gather_weights(params, cfg, dtype)
+    x_BTD = scaled_embedding(top["embed"][tokens_BT], cfg)
+
+    def block(x_BTD, layer):
+        layer_params, k_cache_BSKH, v_cache_BSKH = layer
+        p = gather_weights(layer_params, cfg, dtype)
+        h_BTD = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
+        q_BTNH, k_BTKH, v_BTKH = qkv(h_BTD, p, cfg, pos)
+        k_cache_BSKH = jax.lax.dynamic_update_slice(k_cache_BSKH, k_BTKH, (0, pos, 0, 0))
+        v_cache_BSKH = jax.lax.dynamic_update_slice(v_cache_BSKH, v_BTKH, (0, pos, 0, 0))
+        out_BTNH, _ = A.dense(q_BTNH, k_cache_BSKH, v_cache_BSKH, q_offset=pos,
+                              softcap=cfg.attn_softcap)
+        x_BTD = x_BTD + output_projection(out_BTNH, h_BTD, p, cfg)
+        return x_BTD + mlp(rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps), p), (k_cache_BSKH,
+                                                                                v_cache_BSKH)
+
+    x_BTD, (k, v) = jax.lax.scan(block, x_BTD, (params["layers"], cache["k"], cache["v"]))
+    logits_BTV = readout_input(rms_norm(x_BTD, top["final_norm"], cfg.norm_eps), cfg) @ top["head"]
+    return logits_BTV.astype(jnp.float32), {"k": k, "v": v, "pos": pos + tokens_BT.shape[1]}
 
 
 @dataclasses.dataclass(frozen=True)

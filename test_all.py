@@ -150,8 +150,8 @@ def test_decoding_with_a_kv_cache_gives_the_logits_of_forward(tiny_tokens):
     with jax.set_mesh(mesh_of(1, 1)):
         full = np.asarray(M.forward(params, tokens, cfg)[0])
     plain = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), params)  # one device, no mesh
-    step = jax.jit(M.forward_cached, static_argnums=3)
-    logits, cache = step(plain, tokens[:, :12], M.init_cache(cfg, 2, 24), cfg)  # prefill
+    step = jax.jit(S.forward_cached, static_argnums=3)
+    logits, cache = step(plain, tokens[:, :12], S.init_cache(cfg, 2, 24), cfg)  # prefill
     chunks = [logits]
     for t in range(12, 20):  # then one token at a time
         logits, cache = step(plain, tokens[:, t:t + 1], cache, cfg)
@@ -176,7 +176,7 @@ def test_scaled_embed_is_the_embedding_table_times_sqrt_d_in_training_and_decodi
     np.testing.assert_allclose(scaled, plain, atol=1e-5)
     assert np.abs(scaled - unscaled).max() > 1e-3  # the scale is applied
     one = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), params)
-    cached, _ = M.forward_cached(one, tokens, M.init_cache(cfg, 2, 12), cfg)
+    cached, _ = S.forward_cached(one, tokens, S.init_cache(cfg, 2, 12), cfg)
     np.testing.assert_allclose(np.asarray(cached), scaled, atol=1e-5)
 
 
