@@ -3448,7 +3448,8 @@ def test_a_slow_rise_is_a_level_shift_that_the_one_step_rule_misses(tmp_path):
 CORE = ["cli", "compat", "attention", "model", "optim", "data", "tracking", "distributed",
         "checkpoint", "config", "hf", "export", "report", "guard", "train", "warmstart", "sample"]
 LAB = ["lab.stats", "lab.rows", "lab.harness", "lab.probe", "lab.tables", "lab.breaks",
-       "lab.figures", "lab.search", "lab.experiments", "lab.foresight", "lab.coord", "bench.bench"]
+       "lab.figures", "lab.search", "lab.experiments", "lab.foresight", "lab.coord", "lab.spread",
+       "bench.bench"]
 PROJECT = CORE + LAB
 
 

@@ -7,6 +7,7 @@ repository root:
     python -m lab.experiments --results-only     # tables and figures from the runs already made
     python -m lab.experiments story8 story8-qk   # harness rows: seeds in one vmapped step,
                                                  # one process pinned to each core
+    python -m lab.experiments width128-mup@0.01  # one LR of a row, kept (lab/spread.py)
     python -m lab.experiments --evidence --plot  # the 8-seed rates with intervals, figure, README
     python -m lab.experiments --rerun story8 --seed 3   # one stored member again: inside its row?
     python -m lab.experiments --widths           # best and break LR per width (Wortsman's proxy)
@@ -636,6 +637,17 @@ def main(argv: list[str]) -> int:
         harness_tables(args)
         return 0
     names = list(args.names)
+    if any("@" in n for n in names):  # ROW@LR: one LR of a harness row, kept, not recorded
+        for row, _, lr in (n.partition("@") for n in names):
+            if row not in HARNESS_ROWS or not lr:
+                raise UserError(f"{row}@{lr}: ROW@LR takes a harness row and one of its LRs, "
+                                "each name so (python -m lab.experiments --list)")
+            try:
+                value = float(lr)
+            except ValueError:
+                raise UserError(f"{row}@{lr}: {lr!r} is no number") from None
+            harness.keep_lr(HARNESS_ROWS[row], value, log=lambda s: print(s, flush=True))
+        return 0
     unknown = [n for n in names if n not in NAMES and n not in HARNESS_ROWS]
     if unknown:
         raise UserError(f"unknown row {unknown[0]!r}: train.py rows {', '.join(NAMES)}; "

@@ -71,6 +71,13 @@ CURVE_F32 = ("loss", "grad_norm", "update_norm", "attn_logit_max", "skipped", "o
              "log_z", "eval_step", "eval_loss", "first_step", *PROBE_KEYS)
 
 
+def machine_record() -> dict:
+    """report.machine() and the device the harness trains on: its kind ("cpu", "NVIDIA H200")
+    and JAX's default matmul precision (None: the platform's; a GPU's is TF32 for float32)."""
+    return machine() | {"device": jax.devices()[0].device_kind,
+                        "matmul_precision": jax.config.jax_default_matmul_precision}
+
+
 def one_device_mesh():
     """The harness runs on one device: every member's state is whole there."""
     return make_mesh(MeshConfig(1, 1), jax.devices()[:1])
@@ -197,19 +204,11 @@ def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print,
     it finishes and read back on the next call, so a group killed after some LRs goes on from
     the next (a width of the proxy is hours)."""
     if keep is not None:
-        keep.mkdir(parents=True, exist_ok=True)
-        settings, stored = keep / "settings.json", json.dumps(g.settings(), sort_keys=True)
-        if settings.exists() and not settings.is_file():
-            raise UserError(f"{settings} is not a file: remove it to train {g.name} anew")
-        if not settings.exists() and any(keep.glob("lr*.npz")):
-            raise UserError(f"{keep} holds kept LRs but no settings.json (whose are they?): "
-                            f"remove it to train {g.name} anew")
-        if settings.exists() and settings.read_text() != stored:
-            raise UserError(f"{keep} holds LRs of another {g.name}: remove it to train anew")
-        settings.write_text(stored)
-        with open(keep / SESSIONS, "a") as f:  # a group may span sessions, and CPUs: each call's
-            f.write(json.dumps({"machine": machine(), "kept": sorted(  # machine, and what it found
-                path.name for path in keep.glob("lr*.npz"))}, sort_keys=True) + "\n")
+        open_keep(g, keep)
+        # a group may span sessions and machines: each call's machine, and what it found kept
+        line = {"machine": machine_record(), "kept": sorted(p.name for p in keep.glob("lr*.npz"))}
+        with open(keep / SESSIONS, "a") as f:
+            f.write(json.dumps(line, sort_keys=True) + "\n")
     parts = []
     for lr in g.lrs:
         path = keep / f"lr{lr:g}.npz" if keep is not None else None
@@ -237,6 +236,35 @@ def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print,
         {"sessions": read_sessions(keep)} if keep is not None else {})
 
 
+def open_keep(g: Group, keep: pathlib.Path) -> None:
+    """`keep` as g's kept folder: made, with g's settings.json, or checked against it (a folder
+    holding another g's LRs, or LRs of no known settings, is refused)."""
+    keep.mkdir(parents=True, exist_ok=True)
+    settings, stored = keep / "settings.json", json.dumps(g.settings(), sort_keys=True)
+    if settings.exists() and not settings.is_file():
+        raise UserError(f"{settings} is not a file: remove it to train {g.name} anew")
+    if not settings.exists() and any(keep.glob("lr*.npz")):
+        raise UserError(f"{keep} holds kept LRs but no settings.json (whose are they?): "
+                        f"remove it to train {g.name} anew")
+    if settings.exists() and settings.read_text() != stored:
+        raise UserError(f"{keep} holds LRs of another {g.name}: remove it to train anew")
+    if not settings.exists():
+        settings.write_text(stored)
+
+
+def keep_lr(g: Group, lr: float, log=print) -> None:
+    """Train one LR of row `g` into its kept folder, unrecorded, so that a row's LRs can run in
+    separate processes (lab/spread.py); `python -m lab.experiments ROW` then records the row from
+    its kept LRs, training only those not kept."""
+    if lr not in g.lrs:
+        raise UserError(f"{g.name} has no LR {lr:g} (its LRs: "
+                        f"{', '.join(f'{x:g}' for x in g.lrs)})")
+    if g.fork or g.guard or g.snapshot_every:
+        raise UserError(f"{g.name} is not an LR sweep (a fork, a guarded row or a fork's "
+                        "source): run it whole, python -m lab.experiments ROW")
+    train_group(dataclasses.replace(g, lrs=(lr,)), log=log, keep=SNAPSHOTS / g.name)
+
+
 SESSIONS = "sessions.jsonl"  # in a kept folder: one line per train_group call that trained in it
 
 
@@ -250,10 +278,12 @@ def read_sessions(keep: pathlib.Path) -> list[dict]:
 
 
 def group_cpu(entry: dict) -> str | None:
-    """The CPU model a recorded group ran on, each one joined where its LRs ran on several;
-    None where its record names none (the first groups')."""
-    cpus = [s["machine"].get("cpu") for s in entry.get("sessions", [])] or [
-        entry.get("machine", {}).get("cpu")]
+    """The CPU model a recorded group ran on (its accelerator where it ran on one), each one
+    joined where its LRs ran on several; None where its record names none (the first groups')."""
+    def name(m: dict) -> str | None:
+        return m["device"] if m.get("device", "cpu") != "cpu" else m.get("cpu")
+    cpus = [name(s["machine"]) for s in entry.get("sessions", [])] or [
+        name(entry.get("machine", {}))]
     return " + ".join(dict.fromkeys(c for c in cpus if c)) or None
 
 
@@ -557,7 +587,7 @@ def run(groups: list[Group], report=None) -> None:
         record_checksums(SEED_CURVES, written)
         save_group(g.name, {"settings": g.settings(), "lrs": list(g.lrs),
                             "seeds": sorted({s for _, s, _, _ in members}),
-                            "seconds": round(seconds), "machine": machine(),
+                            "seconds": round(seconds), "machine": machine_record(),
                             "members": outcomes(g, members)}
                    | ({"sessions": sessions} if len(sessions) > 1 else {}))
         for path in (*(SNAPSHOTS / g.name).glob("lr*.npz"),  # recorded: the kept LRs go

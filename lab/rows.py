@@ -321,6 +321,11 @@ KNOB_ROWS.append(dataclasses.replace(next(g for g in KNOB_ROWS if g.name == "wid
 KNOB_ROWS += [g for base in [dataclasses.replace(
     WIDTH_ROWS[2], name="width64-wd0", weight_decay=0.0, lrs=(3e-3, 1e-2, 3e-2, 1e-1, 1e-3),
     compare_with="width64-wd0-qk")] for g in (base, twin(base))]
+# The QK-Norm arms of those three stop below QK-Norm's break (1 at d_model 32 and 64, the widths
+# rows): each goes on to bracket it, declared before any of the three arms ran.
+KNOB_ROWS += [dataclasses.replace(g, name=f"{g.name}-high", lrs=lrs) for g in KNOB_ROWS
+              for name, lrs in (("width32-b64-qk", (1.0, 3.0)), ("width32-8k-qk", (1.0, 3.0)),
+                                ("width64-wd0-qk", (0.3, 1.0))) if g.name == name]
 # How far each lever moves the break, d_model 32: each lever's break LR (the widths rows' rule)
 # as a ratio to the baseline's (width32: 0.3), each seed's against the same seed's. The grids
 # bracket each lever's break where the literature puts it: QK-Norm's sat at width32-qk's top (1),

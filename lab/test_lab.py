@@ -6,9 +6,11 @@ testpaths); alone: `pytest lab/`.
 import dataclasses
 import functools
 import json
+import math
 import os
 import pathlib
 import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -24,6 +26,7 @@ from lab import foresight as F
 from lab import harness as H
 from lab import rows as RW
 from lab import search as SE
+from lab import spread as SP
 from lab import stats as ST
 from lab import tables as TB
 
@@ -297,34 +300,64 @@ def test_a_group_killed_after_one_lr_goes_on_from_the_next(tmp_path, monkeypatch
         H.train_group(dataclasses.replace(g, steps=8), log=lambda s: None, keep=tmp_path)
 
 
-def test_a_group_trained_in_two_calls_records_each_calls_machine(tmp_path, monkeypatch):
-    """A d_model 128 row spans sessions, and a session may get another CPU model: run() records
-    the machine of each call that trained the group (and what it found kept), the tables name
-    every CPU model (group_cpu, which they call), and the kept folder is emptied once the group
-    is recorded."""
+def test_a_rows_lrs_trained_apart_are_recorded_with_each_processs_machine(tmp_path,
+                                                                           monkeypatch):
+    """A d_model 128 row spans sessions, machines, or processes (lab/spread.py: ROW@LR): one LR
+    trained alone is kept, unrecorded; recording the row then trains only the LRs not kept and
+    lists each call's machine (and what it found kept) under `sessions`, whose CPU models or
+    accelerators the tables name (group_cpu); the kept folder is emptied once it is recorded."""
     g = RW.Group("spanned", d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, steps=8,
                  warmup_steps=4, lrs=(1e-3, 1e-2), seeds=(0,), batch_size=8, seq_len=32)
     monkeypatch.setattr(H, "OUT", tmp_path / "search.json")
     monkeypatch.setattr(H, "SEED_CURVES", tmp_path / "curves")
     monkeypatch.setattr(H, "SNAPSHOTS", tmp_path / "kept")
-    real, calls = H.train_members, []
+    real, trained = H.train_members, []
 
-    def killed_once(*args, **kw):  # the first call dies in its second LR
-        calls.append(kw.get("progress"))
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args, **kw)
-    monkeypatch.setattr(H, "train_members", killed_once)
-    with pytest.raises(KeyboardInterrupt):
-        H.run([g])
+    def counted(cfg, *args, **kw):
+        trained.append(cfg.optim.lr)
+        return real(cfg, *args, **kw)
+    monkeypatch.setattr(H, "train_members", counted)
+    H.keep_lr(g, 1e-2, log=lambda s: None)
+    assert trained == [1e-2] and H.load()["groups"] == {}
+    with pytest.raises(H.UserError, match="has no LR 0.005"):
+        H.keep_lr(g, 5e-3)
     H.run([g])
     entry = H.load()["groups"]["spanned"]
-    assert len(calls) == 3 and [s["kept"] for s in entry["sessions"]] == [[], ["lr0.001.npz"]]
-    assert entry["sessions"][1]["machine"] == entry["machine"] == H.machine()
+    assert trained == [1e-2, 1e-3] and [m["lr"] for m in entry["members"]] == [1e-3, 1e-2]
+    assert [s["kept"] for s in entry["sessions"]] == [[], ["lr0.01.npz"]]
+    assert entry["sessions"][1]["machine"] == entry["machine"] == H.machine_record()
+    assert entry["machine"]["device"] == "cpu"
     assert sorted(p.name for p in (tmp_path / "kept" / "spanned").iterdir()) == ["settings.json"]
     one, two = ({"machine": {"cpu": c}} for c in ("AMD EPYC", "Intel Xeon"))
-    assert H.group_cpu({**two, "sessions": [one, one, two]}) == "AMD EPYC + Intel Xeon"
+    gpu = {"machine": {"cpu": "Intel Xeon", "device": "NVIDIA H200"}}
+    assert H.group_cpu({**two, "sessions": [one, one, two, gpu]}) \
+        == "AMD EPYC + Intel Xeon + NVIDIA H200"
     assert H.group_cpu(two) == "Intel Xeon" and H.group_cpu({}) is None
+
+
+def test_spread_runs_n_at_a_time_each_on_a_free_core_and_stops_at_the_deadline(tmp_path):
+    """lab/spread.py's scheduler: at most `jobs` commands at once, none on a core a running one
+    holds; none starts after the deadline, and one running then is stopped (None), as is one
+    never started."""
+    seconds = {"a": 0.1, "b": 0.1, "slow": 60, "c": 0.1, "late": 0.1, "slow2": 60, "never": 0.1}
+    cores = {}
+
+    def argv(name, core):  # each command writes when it started and, if it ends, when
+        cores[name], at = core, tmp_path / f"{name}.times"
+        return [sys.executable, "-c", f"import time; f = open({str(at)!r}, 'w'); "
+                f"f.write(f'{{time.time()}} '); f.flush(); time.sleep({seconds[name]}); "
+                "f.write(f'{time.time()}')"]
+    codes = SP.run_spread(list(seconds), jobs=2, deadline=3.5, logs=tmp_path / "logs",
+                          cores=[5, 7], log=lambda s: None, argv=argv)
+    assert codes == {"a": 0, "b": 0, "slow": None, "c": 0, "late": 0, "slow2": None,
+                     "never": None}
+    spans = {n: [float(x) for x in (tmp_path / f"{n}.times").read_text().split()] + [math.inf]
+             for n in cores}
+    assert "never" not in cores and sorted(cores) == sorted(set(seconds) - {"never"})
+    for n, (t0, *_) in spans.items():
+        beside = [m for m, (u0, u1, *_) in spans.items() if m != n and u0 <= t0 < u1]
+        assert len(beside) <= 1 and all(cores[m] != cores[n] for m in beside), (n, beside)
+    assert set(cores.values()) == {5, 7} and (tmp_path / "logs" / "a.log").exists()
 
 
 def test_damaged_kept_arrays_and_records_are_one_line_each(tmp_path, monkeypatch):

@@ -1,0 +1,115 @@
+"""Harness rows' LRs spread over processes, `--jobs` at a time: for a machine with more cores
+than rows, or an accelerator that many small processes share. Each LR trains in its own process
+into its row's kept folder (`python -m lab.experiments ROW@LR`, pinned to a core of its own
+while there are enough); then every row whose LRs are all kept is recorded as
+`python -m lab.experiments ROW` records it (its curves and results/search.json, each process's
+machine under `sessions`).
+
+    python -m lab.spread width128-mup width128-qk-mup --jobs 13
+    python -m lab.spread width128-mup --jobs 6 --deadline 3600   # no LR starts after an hour;
+                                                                 # one running then is stopped
+
+An LR stopped at the deadline keeps its progress (each held-out evaluation) and goes on from
+there the next time; a row with an LR missing is not recorded, and the same command goes on.
+"""
+
+import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import tyro
+
+from cli import UserError, command, parse
+from lab.experiments import pinned_command
+from lab.harness import SNAPSHOTS, load, open_keep
+from lab.rows import HARNESS_ROWS
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    rows: tyro.conf.Positional[tuple[str, ...]]  # harness rows, their LRs run in this order
+    jobs: int = 2  # LR processes at a time
+    deadline: float = 0.0  # seconds from the start: no LR starts later, one running is stopped
+    logs: str = "runs/logs"  # one log per LR: ROW@LR.log
+
+
+def kept(row: str, lr: float) -> bool:
+    return (SNAPSHOTS / row / f"lr{lr:g}.npz").exists()
+
+
+def experiment(name: str, core: int | None) -> list[str]:
+    """`python -m lab.experiments NAME`, pinned to `core` unless it is None."""
+    return ([sys.executable, "-m", "lab.experiments", name] if core is None
+            else pinned_command(core, "lab.experiments", [name]))
+
+
+def run_spread(names: list[str], jobs: int, deadline: float, logs: pathlib.Path,
+               cores: list[int] | None = None, log=print,
+               argv=experiment) -> dict[str, int | None]:
+    """The command `argv(name, core)` for each of `names`, `jobs` at a time, each on a free
+    core of `cores` (None: unpinned), its output in logs/NAME.log; none starts after `deadline`
+    seconds (0: no deadline), and one running then is stopped. Returns each name's exit status
+    (None: stopped, or not started)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    env = os.environ | {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # N processes, one device
+    t0, todo, running, codes = time.time(), list(names), {}, dict.fromkeys(names)
+    while todo or running:
+        late = deadline and time.time() - t0 > deadline
+        for name, (p, _) in list(running.items()):
+            if p.poll() is not None:
+                codes[name] = p.returncode
+                log(f"{name}: {'done' if p.returncode == 0 else f'failed ({p.returncode})'} "
+                    f"at {time.time() - t0:.0f} s")
+                del running[name]
+            elif late:
+                p.terminate()
+                p.wait()
+                log(f"{name}: stopped at the deadline ({deadline:g} s), its progress kept")
+                del running[name]
+        if late:
+            break
+        while todo and len(running) < jobs:
+            name = todo.pop(0)
+            core = None if cores is None else min(
+                set(cores) - {c for _, c in running.values()})
+            running[name] = (subprocess.Popen(argv(name, core), stdout=(
+                logs / f"{name}.log").open("w"), stderr=subprocess.STDOUT, env=env), core)
+        time.sleep(1)
+    for name in todo:
+        log(f"{name}: not started (the deadline)")
+    return codes
+
+
+@command
+def main(argv: list[str]) -> int:
+    args = parse(Args, argv, description=__doc__)
+    unknown = [r for r in args.rows if r not in HARNESS_ROWS]
+    if unknown:
+        raise UserError(f"unknown harness row {unknown[0]!r}: python -m lab.experiments --list")
+    if not args.rows:
+        raise UserError("name the harness rows to spread (python -m lab.spread ROW [ROW ...])")
+    if args.jobs < 1 or args.deadline < 0:
+        raise UserError("--jobs must be at least 1 and --deadline at least 0")
+    rows = [HARNESS_ROWS[r] for r in args.rows if r not in load()["groups"]]
+    for g in rows:  # settings.json written once, before N processes would each write it
+        open_keep(g, SNAPSHOTS / g.name)
+    names = [f"{g.name}@{lr:g}" for g in rows for lr in g.lrs if not kept(g.name, lr)]
+    cores = sorted(os.sched_getaffinity(0))
+    pinned = args.jobs <= len(cores)  # one core each: a row repeats bitwise only so pinned
+    print(f"{len(names)} LRs of {len(rows)} rows, {args.jobs} at a time"
+          + (", each pinned to a core of its own" if pinned else ""), flush=True)
+    codes = run_spread(names, args.jobs, args.deadline, pathlib.Path(args.logs),
+                       cores if pinned else None, log=lambda s: print(s, flush=True))
+    whole = [g.name for g in rows if all(kept(g.name, lr) for lr in g.lrs)]
+    if whole and subprocess.run([sys.executable, "-m", "lab.experiments", *whole]).returncode:
+        raise UserError(f"recording {', '.join(whole)} failed (above); their LRs stay kept")
+    print(f"recorded: {', '.join(whole) or 'none'}; not whole: "
+          f"{', '.join(g.name for g in rows if g.name not in whole) or 'none'}")
+    return 1 if any(c not in (0, None) for c in codes.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
