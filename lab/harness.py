@@ -205,10 +205,11 @@ def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print,
     the next (a width of the proxy is hours)."""
     if keep is not None:
         open_keep(g, keep)
-        # a group may span sessions and machines: each call's machine, and what it found kept
-        line = {"machine": machine_record(), "kept": sorted(p.name for p in keep.glob("lr*.npz"))}
-        with open(keep / SESSIONS, "a") as f:
-            f.write(json.dumps(line, sort_keys=True) + "\n")
+        found = sorted(p.name for p in keep.glob("lr*.npz"))
+        if any(f"lr{lr:g}.npz" not in found for lr in g.lrs):  # a group may span sessions and
+            line = {"machine": machine_record(), "kept": found}  # machines: each call that
+            with open(keep / SESSIONS, "a") as f:  # trains, and what it found kept
+                f.write(json.dumps(line, sort_keys=True) + "\n")
     parts = []
     for lr in g.lrs:
         path = keep / f"lr{lr:g}.npz" if keep is not None else None
@@ -269,7 +270,10 @@ SESSIONS = "sessions.jsonl"  # in a kept folder: one line per train_group call t
 
 
 def read_sessions(keep: pathlib.Path) -> list[dict]:
-    """The machine of each train_group call that trained in `keep`, oldest first."""
+    """The machine of each train_group call that trained in `keep`, oldest first (none listed
+    where the folder predates the list)."""
+    if not (keep / SESSIONS).exists():
+        return []
     try:
         return [json.loads(line) for line in (keep / SESSIONS).read_text().splitlines()]
     except (OSError, ValueError) as e:
@@ -554,7 +558,7 @@ def run(groups: list[Group], report=None) -> None:
         if g.name in load()["groups"]:
             continue
         print(f"{g.name}: {len(member_grid(g))} members, {g.steps} steps", flush=True)
-        sessions = []  # where one process trained it all, `machine` below says it all
+        sessions = []  # a kept row's: the machine of each call that trained some of it
         if g.fork:
             parts = train_fork(g, log=lambda s: print(s, flush=True))["parts"]
             members = [(g.lrs[0], s, a, i) for seeds, a in parts.values()
@@ -589,7 +593,7 @@ def run(groups: list[Group], report=None) -> None:
                             "seeds": sorted({s for _, s, _, _ in members}),
                             "seconds": round(seconds), "machine": machine_record(),
                             "members": outcomes(g, members)}
-                   | ({"sessions": sessions} if len(sessions) > 1 else {}))
+                   | ({"sessions": sessions} if sessions else {}))
         for path in (*(SNAPSHOTS / g.name).glob("lr*.npz"),  # recorded: the kept LRs go
                      SNAPSHOTS / g.name / SESSIONS):
             path.unlink(missing_ok=True)

@@ -321,6 +321,9 @@ def test_a_rows_lrs_trained_apart_are_recorded_with_each_processs_machine(tmp_pa
     assert trained == [1e-2] and H.load()["groups"] == {}
     with pytest.raises(H.UserError, match="has no LR 0.005"):
         H.keep_lr(g, 5e-3)
+    alone = H.train_group(dataclasses.replace(g, lrs=(1e-2,)), log=lambda s: None,
+                          keep=tmp_path / "kept" / "spanned")  # all kept: it trains nothing,
+    assert trained == [1e-2] and len(alone["sessions"]) == 1  # and is no session
     H.run([g])
     entry = H.load()["groups"]["spanned"]
     assert trained == [1e-2, 1e-3] and [m["lr"] for m in entry["members"]] == [1e-3, 1e-2]
