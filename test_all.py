@@ -3449,7 +3449,7 @@ CORE = ["cli", "compat", "attention", "model", "optim", "data", "tracking", "dis
         "checkpoint", "config", "hf", "export", "report", "guard", "train", "warmstart", "sample"]
 LAB = ["lab.stats", "lab.rows", "lab.harness", "lab.probe", "lab.tables", "lab.breaks",
        "lab.figures", "lab.search", "lab.experiments", "lab.foresight", "lab.coord", "lab.spread",
-       "bench.bench"]
+       "lab.store", "bench.bench"]
 PROJECT = CORE + LAB
 
 

@@ -10,7 +10,6 @@ import math
 
 import numpy as np
 
-from lab.harness import group_cpu, read_curve
 from lab.rows import (
     KNOBS,
     KNOBS_COSTLY,
@@ -22,6 +21,7 @@ from lab.rows import (
     ZLOSS_ROWS,
 )
 from lab.stats import bootstrap
+from lab.store import group_cpu, read_curve
 
 
 def sweep_rows(record: dict) -> list[dict]:

@@ -46,7 +46,7 @@ import tyro
 from checkpoint import saved_steps
 from cli import UserError, command, parse
 from config import PRESETS
-from lab import harness, search
+from lab import harness, search, store
 from lab.breaks import (
     knob_rows,
     knobs_markdown,
@@ -67,7 +67,7 @@ from lab.figures import (
     plot_widths,
     plot_zloss,
 )
-from lab.harness import layer_max, load, read_curve, train_members
+from lab.harness import train_members
 from lab.rows import (
     BY_NAME,
     EVIDENCE_GROUPS,
@@ -85,6 +85,7 @@ from lab.stats import (
     compare,
     spread,
 )
+from lab.store import layer_max, load, read_curve
 from lab.tables import (
     RESULTS,
     evidence_json,
@@ -555,7 +556,7 @@ class Args:
     rerun: str = ""  # train one stored member of this evidence row again (with --seed)
     seed: int = 0  # the seed --rerun trains again
     rerun_steps: int | None = None  # --rerun: only this many steps (a probe of the bits)
-    slim: bool = False  # rewrite the stored curves to what they keep now (harness.curve_arrays)
+    slim: bool = False  # rewrite the stored curves to what they keep now (store.curve_arrays)
     # harness rows run as one process pinned to each of this many cores (default: every core
     # this process may use), each process's rows one after the other: a row repeats bitwise
     # only with the same core count and CPU model (results/search.json records both)
@@ -630,7 +631,7 @@ def main(argv: list[str]) -> int:
         raise UserError("--seed and --rerun-steps go with --rerun ROW (python -m lab.experiments "
                         "--rerun story8 --seed 3)")
     if args.slim:
-        harness.slim_curves()
+        store.slim_curves()
         return 0
     if any((args.levers, args.sweep, args.evidence, args.widths, args.zloss, args.knobs,
             args.breaks, args.rerun)):

@@ -11,9 +11,9 @@ import pathlib
 import numpy as np
 
 from lab.breaks import sweep_rows, width_rows, zloss_rows
-from lab.harness import read_curve, seed_curve
 from lab.rows import EXPERIMENTS, LEVERS, LOGITS, SEARCH_NAMES, STORY
 from lab.stats import bootstrap, ema
+from lab.store import read_curve, seed_curve
 from lab.tables import mechanism
 from report import (
     pyplot,

@@ -42,8 +42,8 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from cli import command, parse
-from lab.harness import SEED_CURVES, read_curve
 from lab.stats import bootstrap, episodes
+from lab.store import SEED_CURVES, read_curve
 from lab.tables import update_readme
 from report import find_shifts, find_spikes, pyplot, save_figure
 

@@ -1,5 +1,5 @@
 """The seeds harness: train.py's own step vmapped over seeds and scanned over steps, forks from
-kept states, guarded rows run as train.py runs, and the stored curves (written and read here).
+kept states, guarded rows run as train.py runs; what each records goes through lab/store.py.
 
     python -m lab.experiments ROW [ROW ...]   # train harness rows (lab/rows.py), record each
 
@@ -8,18 +8,15 @@ vmapped over *members* (seeds; one compiled step per LR of the group) and steppe
 steps at a time inside one `lax.scan`: one dispatch and one host read per chunk instead of per
 step. Each member is the train.py run of its LR and seed (init and data order both drawn from
 the seed), to float32 rounding: a test runs one beside train.py for 120 steps. Every member's
-per-step curves are kept in results/curves/GROUP/seedN.npz (what is kept: `curve_arrays`), its
-outcome (report.py's fixed rules) in results/search.json.
+per-step curves are kept in results/curves/GROUP/seedN.npz (what is kept: store.curve_arrays),
+its outcome (report.py's fixed rules) in results/search.json.
 """
 
 import dataclasses
-import fcntl
 import functools
-import hashlib
 import json
 import pathlib
 import time
-import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +29,10 @@ from config import TrainConfig, load_checkpointed, make_tx
 from data import TokenData
 from distributed import MeshConfig, make_mesh
 from export import restore_params
+from lab import store
 from lab.probe import PROBE_KEYS, probe
-from lab.rows import REGISTRY, ZLOSS_ROWS, Group
+from lab.rows import REGISTRY, Group
+from lab.store import curve_arrays, load, read_curve, read_npz, record_checksums, save_group
 from report import (
     acted,
     find_shifts,
@@ -42,33 +41,9 @@ from report import (
     read_metrics,
 )
 
-OUT = pathlib.Path("results/search.json")
-
-
-CURVES = pathlib.Path("results/search")  # the groups run before the evidence: GROUP.npz
-
-
-SEED_CURVES = pathlib.Path("results/curves")  # since: GROUP/seedN.npz, one file per member
-
 
 def member_grid(g: Group) -> list[tuple[float, int]]:
     return [(lr, seed) for lr in g.lrs for seed in g.seeds]
-
-
-# What a member's stored curve keeps of the step's metrics, so that results/ stays light (about
-# 45 kB a member, under 1 MB a row): the per-step series a rule or a table reads, as the step
-# wrote them (float32) -- the loss and the update norm (the spike and level-shift rules), the
-# attention logit's max over the layers (the max-logit columns read only the maximum), skipped
-# steps (the z-loss rows also the output logits' max and log Z) -- and the held-out evals. The
-# groups early warning reads per layer (lab/foresight.py) keep every series, the per-layer ones
-# in float16.
-CURVE_KEYS = ("loss", "update_norm", "attn_logit_max", "skipped", "eval_step", "eval_loss",
-              "first_step", *PROBE_KEYS)
-OUTPUT_LOGIT_KEYS = ("out_logit_max", "log_z")  # kept by the z-loss rows, whose table reads them
-FULL_CURVES = ("story8", "story8-qk", "story8-signals", "story8-signals-qk")
-ZLOSS_NAMES = {g.name for g in ZLOSS_ROWS}
-CURVE_F32 = ("loss", "grad_norm", "update_norm", "attn_logit_max", "skipped", "out_logit_max",
-             "log_z", "eval_step", "eval_loss", "first_step", *PROBE_KEYS)
 
 
 def machine_record() -> dict:
@@ -185,18 +160,6 @@ def read_progress(path: pathlib.Path, like) -> tuple:
 KEPT_KEYS = {"loss", "eval_step", "first_step", "seconds"}  # what a kept LR must hold at least
 
 
-def read_npz(path: pathlib.Path, fix: str) -> dict[str, np.ndarray]:
-    """Every array of an .npz the harness wrote (no pickle); a missing, truncated or emptied
-    file, or one that is no .npz, is one line naming it and `fix`."""
-    try:
-        with np.load(path) as f:
-            return {k: f[k] for k in f.files}
-    except FileNotFoundError:
-        raise UserError(f"{path} is missing: {fix}") from None
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-        raise UserError(f"{path} cannot be read ({type(e).__name__}: damaged): {fix}") from None
-
-
 def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print,
                 keep: pathlib.Path | None = None) -> dict:
     """Train every member of `g` (one compiled step per LR, the seeds vmapped in it); returns
@@ -281,16 +244,6 @@ def read_sessions(keep: pathlib.Path) -> list[dict]:
                         f"machines are unknown; remove {keep} to train it anew") from None
 
 
-def group_cpu(entry: dict) -> str | None:
-    """The CPU model a recorded group ran on (its accelerator where it ran on one), each one
-    joined where its LRs ran on several; None where its record names none (the first groups')."""
-    def name(m: dict) -> str | None:
-        return m["device"] if m.get("device", "cpu") != "cpu" else m.get("cpu")
-    cpus = [name(s["machine"]) for s in entry.get("sessions", [])] or [
-        name(entry.get("machine", {}))]
-    return " + ".join(dict.fromkeys(c for c in cpus if c)) or None
-
-
 def train_guarded(g: Group, log=print) -> dict:
     """A guarded group: each seed a train.py run in runs/search/GROUP/seedN (train.train, so a
     killed group resumes where it stopped, and a finished run is read, not trained again), its
@@ -340,48 +293,6 @@ def probe_run(run_dir: pathlib.Path) -> dict:
             for k, v in out.items()}
 
 
-def curve_arrays(group: str, a: dict) -> dict:
-    """What a member of `group` keeps of its arrays `a` (CURVE_KEYS, or all in FULL_CURVES).
-    Applied to what is stored already, it keeps the same (python -m lab.experiments --slim)."""
-    if group in FULL_CURVES:
-        return {k: v if k in CURVE_F32 else np.asarray(v, np.float16) for k, v in a.items()
-                if k not in ("seconds", "chunk_seconds")}
-    keys = CURVE_KEYS + (OUTPUT_LOGIT_KEYS if group in ZLOSS_NAMES else ())
-    return {k: layer_max(a[k]) if k == "attn_logit_max" else a[k] for k in keys if k in a}
-
-
-def layer_max(logit: np.ndarray) -> np.ndarray:
-    """[T, L] -> [T]: the max over the layers (NaN only where every layer is)."""
-    return np.fmax.reduce(logit, axis=-1) if np.ndim(logit) == 2 else logit
-
-
-def slim_curves(log=print) -> None:
-    """Rewrite every stored curve to what curve_arrays keeps (the rows stored before it, and
-    those a process started earlier wrote): the same file where nothing is left out."""
-    rewritten = []
-    for path in sorted(SEED_CURVES.glob("*/*.npz")):
-        c = read_curve(path.parent.name, path.stem)
-        kept = curve_arrays(path.parent.name, c)
-        if kept.keys() == c.keys() and all(kept[k].shape == c[k].shape for k in c):
-            continue
-        with written_whole(path) as tmp:
-            np.savez_compressed(tmp, **kept)
-        rewritten.append(path)
-        log(f"{path}: kept {', '.join(kept)}")
-    record_checksums(SEED_CURVES, rewritten)
-    # every curve not listed yet (a row a process started before this code wrote), as it is
-    record_checksums(SEED_CURVES, sorted(SEED_CURVES.glob("*/*.npz")), replace=False)
-    for path in sorted(CURVES.glob("*.npz")):  # the search's groups: their loss, grad norm, evals
-        c = read_curve("", path.stem)
-        kept = {k: c[k] for k in ("loss", "grad_norm", "eval_step", "eval_loss") if k in c}
-        if kept.keys() != c.keys():
-            with written_whole(path) as tmp:
-                np.savez_compressed(tmp, **kept)
-            record_checksums(CURVES, [path])
-            log(f"{path}: kept {', '.join(kept)}")
-    record_checksums(CURVES, sorted(CURVES.glob("*.npz")), replace=False)
-
-
 def outcomes(g: Group, members: list[tuple[float, int, dict, int]]) -> list[dict]:
     """Per member (lr, seed, arrays, index): report.py's events (steps counted from 0; a fork's
     on its source's curve up to the fork, then its own: the detectors armed), held-out, max
@@ -413,35 +324,6 @@ def outcomes(g: Group, members: list[tuple[float, int, dict, int]]) -> list[dict
              int(a["recomputed"][i]), "escalated_at": int(a["escalated_at"][i]),
              "data_records": int(a["data_records"][i])} if "recomputed" in a else {}))
     return rows
-
-
-def load() -> dict:
-    """results/search.json, every group's record; a damaged file is one line naming it."""
-    if not OUT.exists():
-        return {"machine": {}, "groups": {}}
-    try:
-        record = json.loads(OUT.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{OUT} cannot be read ({type(e).__name__}): it is damaged; restore it "
-                        f"(git checkout {OUT}) and run the same command again") from None
-    if not isinstance(record, dict) or not isinstance(record.get("groups"), dict) or not all(
-            isinstance(g, dict) and isinstance(g.get("members"), list)
-            for g in record["groups"].values()):
-        raise UserError(f"{OUT} is not the harness's record (no groups with members): restore "
-                        f"it (git checkout {OUT}) and run the same command again")
-    return record
-
-
-def save_group(name: str, entry: dict) -> None:
-    """Add one group's record to results/search.json, under a lock: several harness processes
-    (one per core) may finish groups at the same time."""
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    with open(OUT.with_suffix(".lock"), "w") as lock:  # not a result: .gitignore has it
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        record = load()
-        record["groups"][name] = entry
-        with written_whole(OUT) as tmp:
-            tmp.write_text(json.dumps(record, indent=1) + "\n")
 
 
 # A fork's source keeps its stacked train state here (not under results/: ~20 MB a snapshot).
@@ -579,16 +461,16 @@ def run(groups: list[Group], report=None) -> None:
                 sessions = a.pop("sessions")
             members = [(lr, s, a, i) for i, (lr, s) in enumerate(member_grid(g))]
             seconds = a["seconds"]
-        (SEED_CURVES / g.name).mkdir(parents=True, exist_ok=True)
+        (store.SEED_CURVES / g.name).mkdir(parents=True, exist_ok=True)
         written = []
         for lr, seed, a, i in members:  # one file per member
             tag = f"seed{seed}" if len(g.lrs) == 1 else f"lr{lr:g}-seed{seed}"
-            written.append(SEED_CURVES / g.name / f"{tag}.npz")
+            written.append(store.SEED_CURVES / g.name / f"{tag}.npz")
             with written_whole(written[-1]) as tmp:
                 np.savez_compressed(tmp, **curve_arrays(g.name, {
                     k: v[i] if k not in ("eval_step", "first_step", "seconds", "chunk_seconds")
                     else v for k, v in a.items()}))
-        record_checksums(SEED_CURVES, written)
+        record_checksums(store.SEED_CURVES, written)
         save_group(g.name, {"settings": g.settings(), "lrs": list(g.lrs),
                             "seeds": sorted({s for _, s, _, _ in members}),
                             "seconds": round(seconds), "machine": machine_record(),
@@ -599,67 +481,5 @@ def run(groups: list[Group], report=None) -> None:
             path.unlink(missing_ok=True)
         if report is not None:  # every member recorded so far
             report([r for v in load()["groups"].values() for r in v["members"]])
-
-
-def read_curve(group: str, member: str) -> dict[str, np.ndarray]:
-    """The stored curve results/curves/GROUP/MEMBER.npz (MEMBER: seedN or lrLR-seedN), or with
-    group "" the search's results/search/MEMBER.npz: every array. A missing or damaged file, or
-    one whose bytes are not those the harness wrote (its sha256 against the folder's
-    sha256.json), is one line naming it."""
-    root = SEED_CURVES if group else CURVES
-    path = (root / group if group else root) / f"{member}.npz"
-    fix = (f"restore it (git checkout {path}), or make it again: python -m lab.experiments "
-           f"{group or member}, its group taken out of results/search.json first")
-    arrays = read_npz(path, fix)
-    want = read_checksums(root).get(path.relative_to(root).as_posix())
-    if want is not None and sha256(path) != want:
-        raise UserError(f"{path} is not the file the harness wrote (its sha256 differs from "
-                        f"{root / 'sha256.json'}'s): {fix}")
-    return arrays
-
-
-def sha256(path: pathlib.Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def read_checksums(root: pathlib.Path) -> dict[str, str]:
-    """ROOT/sha256.json: each stored curve's sha256 as written, by its path under ROOT."""
-    path = root / "sha256.json"
-    if not path.exists():
-        return {}
-    try:
-        sums = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path} cannot be read ({type(e).__name__}): restore it (git checkout "
-                        f"{path})") from None
-    if not isinstance(sums, dict):
-        raise UserError(f"{path} is not a checksum record: restore it (git checkout {path})")
-    return sums
-
-
-def record_checksums(root: pathlib.Path, paths, replace: bool = True) -> None:
-    """Enter each written file's sha256 into ROOT/sha256.json (under the record's lock: one
-    process per core may write at once); with replace=False only files it does not list."""
-    with open(OUT.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        sums = read_checksums(root)
-        for path in paths:
-            key = path.relative_to(root).as_posix()
-            if replace or key not in sums:
-                sums[key] = sha256(path)
-        with written_whole(root / "sha256.json") as tmp:
-            tmp.write_text(json.dumps(dict(sorted(sums.items())), indent=0) + "\n")
-
-
-def seed_curve(group: str, seed: int) -> dict:
-    """A member's stored curve as report.py reads a run: per-step arrays indexed by "step"
-    (a fork's start at its fork step), and its evals."""
-    c = read_curve(group, f"seed{seed}")
-    first = int(c["first_step"])
-    n = len(c["loss"])
-    return {"step": np.arange(first, first + n), "loss": c["loss"].astype(np.float64),
-            "update_norm": c["update_norm"].astype(np.float64),
-            "attn_logit_max": layer_max(c["attn_logit_max"]), "eval_step": c["eval_step"],
-            "eval_loss": c["eval_loss"], "first_step": first}
 
 

@@ -25,11 +25,7 @@ from cli import UserError, command, parse
 from lab.figures import (
     plot,
 )
-from lab.harness import (
-    OUT,
-    load,
-    run,
-)
+from lab.harness import run
 from lab.rows import (
     GROUPS,
     REGISTRY,
@@ -38,6 +34,7 @@ from lab.rows import (
 from lab.stats import (
     first_match,
 )
+from lab.store import OUT, load
 from lab.tables import update_readme
 
 # ---------------------------------------------------------------------------------------------

@@ -28,8 +28,9 @@ import tyro
 
 from cli import UserError, command, parse
 from lab.experiments import pinned_command
-from lab.harness import SNAPSHOTS, load, open_keep
+from lab.harness import SNAPSHOTS, open_keep
 from lab.rows import HARNESS_ROWS
+from lab.store import load
 
 
 @dataclasses.dataclass(frozen=True)

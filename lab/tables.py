@@ -14,8 +14,7 @@ import numpy as np
 
 from checkpoint import strict_json
 from cli import UserError, written_whole
-from lab import harness
-from lab.harness import group_cpu, read_curve, seed_curve
+from lab import store
 from lab.rows import (
     EVIDENCE_GROUPS,
     EVIDENCE_SEEDS,
@@ -36,6 +35,7 @@ from lab.stats import (
     spread,
     survival,
 )
+from lab.store import group_cpu, read_curve, seed_curve
 from report import find_shifts, find_spikes, spike_score
 
 RESULTS = pathlib.Path("results")
@@ -130,7 +130,7 @@ def lever_rows(record: dict) -> list[dict]:
 def spike_score_means(group: str) -> dict[str, float] | None:
     """OLMo-core's spike score (6 sigma over the last 128 steps, report.py) of the loss and the
     grad norm, as the mean over the group's members, from its curves; None without them."""
-    if not (harness.CURVES / f"{group}.npz").is_file():
+    if not (store.CURVES / f"{group}.npz").is_file():
         return None
     curves = read_curve("", group)
     return {key: float(np.mean([spike_score(x, 128, 6.0) for x in curves[key]]))

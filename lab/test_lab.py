@@ -28,6 +28,7 @@ from lab import rows as RW
 from lab import search as SE
 from lab import spread as SP
 from lab import stats as ST
+from lab import store as STO
 from lab import tables as TB
 
 # ---------------------------------------------------------------------------------------------
@@ -308,8 +309,8 @@ def test_a_rows_lrs_trained_apart_are_recorded_with_each_processs_machine(tmp_pa
     accelerators the tables name (group_cpu); the kept folder is emptied once it is recorded."""
     g = RW.Group("spanned", d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, steps=8,
                  warmup_steps=4, lrs=(1e-3, 1e-2), seeds=(0,), batch_size=8, seq_len=32)
-    monkeypatch.setattr(H, "OUT", tmp_path / "search.json")
-    monkeypatch.setattr(H, "SEED_CURVES", tmp_path / "curves")
+    monkeypatch.setattr(STO, "OUT", tmp_path / "search.json")
+    monkeypatch.setattr(STO, "SEED_CURVES", tmp_path / "curves")
     monkeypatch.setattr(H, "SNAPSHOTS", tmp_path / "kept")
     real, trained = H.train_members, []
 
@@ -318,14 +319,14 @@ def test_a_rows_lrs_trained_apart_are_recorded_with_each_processs_machine(tmp_pa
         return real(cfg, *args, **kw)
     monkeypatch.setattr(H, "train_members", counted)
     H.keep_lr(g, 1e-2, log=lambda s: None)
-    assert trained == [1e-2] and H.load()["groups"] == {}
+    assert trained == [1e-2] and STO.load()["groups"] == {}
     with pytest.raises(H.UserError, match="has no LR 0.005"):
         H.keep_lr(g, 5e-3)
     alone = H.train_group(dataclasses.replace(g, lrs=(1e-2,)), log=lambda s: None,
                           keep=tmp_path / "kept" / "spanned")  # all kept: it trains nothing,
     assert trained == [1e-2] and len(alone["sessions"]) == 1  # and is no session
     H.run([g])
-    entry = H.load()["groups"]["spanned"]
+    entry = STO.load()["groups"]["spanned"]
     assert trained == [1e-2, 1e-3] and [m["lr"] for m in entry["members"]] == [1e-3, 1e-2]
     assert [s["kept"] for s in entry["sessions"]] == [[], ["lr0.01.npz"]]
     assert entry["sessions"][1]["machine"] == entry["machine"] == H.machine_record()
@@ -333,9 +334,9 @@ def test_a_rows_lrs_trained_apart_are_recorded_with_each_processs_machine(tmp_pa
     assert sorted(p.name for p in (tmp_path / "kept" / "spanned").iterdir()) == ["settings.json"]
     one, two = ({"machine": {"cpu": c}} for c in ("AMD EPYC", "Intel Xeon"))
     gpu = {"machine": {"cpu": "Intel Xeon", "device": "NVIDIA H200"}}
-    assert H.group_cpu({**two, "sessions": [one, one, two, gpu]}) \
+    assert STO.group_cpu({**two, "sessions": [one, one, two, gpu]}) \
         == "AMD EPYC + Intel Xeon + NVIDIA H200"
-    assert H.group_cpu(two) == "Intel Xeon" and H.group_cpu({}) is None
+    assert STO.group_cpu(two) == "Intel Xeon" and STO.group_cpu({}) is None
 
 
 def test_spread_runs_n_at_a_time_each_on_a_free_core_and_stops_at_the_deadline(tmp_path):
@@ -391,18 +392,18 @@ def test_damaged_kept_arrays_and_records_are_one_line_each(tmp_path, monkeypatch
     (keep / "settings.json").mkdir()
     with pytest.raises(H.UserError, match="is not a file"):
         H.train_group(g, keep=keep, log=lambda s: None)
-    monkeypatch.setattr(H, "SEED_CURVES", tmp_path)
+    monkeypatch.setattr(STO, "SEED_CURVES", tmp_path)
     (tmp_path / "row").mkdir()
     (tmp_path / "row" / "seed0.npz").write_bytes(blob[:100])
     with pytest.raises(H.UserError, match="seed0.npz cannot be read"):
-        H.read_curve("row", "seed0")
+        STO.read_curve("row", "seed0")
     with pytest.raises(H.UserError, match="seed1.npz is missing"):
-        H.read_curve("row", "seed1")
-    monkeypatch.setattr(H, "OUT", tmp_path / "search.json")
+        STO.read_curve("row", "seed1")
+    monkeypatch.setattr(STO, "OUT", tmp_path / "search.json")
     for text, message in (('{"groups": {"a": ', "cannot be read"), ("{}", "no groups")):
         (tmp_path / "search.json").write_text(text)
         with pytest.raises(H.UserError, match=message):
-            H.load()
+            STO.load()
 
 
 def test_an_lr_killed_between_evaluations_goes_on_from_the_last_one_bitwise(tmp_path):
@@ -436,7 +437,7 @@ def test_a_rerun_trains_the_rows_members_together_and_finds_where_it_parts(tmp_p
     step): on the same machine it is the stored curve bit for bit; where the stored curve holds
     another value at step 7 the rerun says it parts there. A guarded row is refused in one
     line (its seeds are train.py runs), a probe longer than the row too."""
-    monkeypatch.setattr(H, "SEED_CURVES", tmp_path)
+    monkeypatch.setattr(STO, "SEED_CURVES", tmp_path)
     g = RW.Group("probe", d_model=32, n_layers=1, steps=10, warmup_steps=4, lrs=(1e-2,),
                  seeds=(0, 1), batch_size=8, seq_len=32)
     a = H.train_members(g.config(), g.seeds, eval_every=5, log=lambda s: None)
@@ -452,7 +453,7 @@ def test_a_rerun_trains_the_rows_members_together_and_finds_where_it_parts(tmp_p
     assert EX.rerun_member(g, 1, steps=9, log=lambda s: None)[0] == {
         "parts_at": 7, "compared": 9, "others": {0: None}}
     assert EX.first_parting(np.array([1.0, np.nan]), np.array([1.0, np.nan])) is None
-    monkeypatch.setattr(H, "OUT", tmp_path / "search.json")
+    monkeypatch.setattr(STO, "OUT", tmp_path / "search.json")
     (tmp_path / "search.json").write_text(json.dumps({"groups": {
         g.name: {"members": []} for g in RW.EVIDENCE_GROUPS}}))
     with pytest.raises(EX.UserError, match="guarded row's seeds are train.py runs"):
@@ -492,7 +493,7 @@ def test_a_fork_starts_at_the_boundary_after_the_first_event_and_needs_room(tmp_
     """QK-Norm inserted mid-run starts at the first 250-step boundary after the source seed's
     first level shift, or else after its first spike past the warmup; a seed whose boundary is
     the run's end, or with no event, is left out."""
-    monkeypatch.setattr(H, "SEED_CURVES", tmp_path)
+    monkeypatch.setattr(STO, "SEED_CURVES", tmp_path)
     rng = np.random.default_rng(0)
     (tmp_path / "story8").mkdir()
     for seed, (spike, shift) in enumerate([(None, 1960), (1500, None), (None, 3890),
@@ -594,7 +595,7 @@ def test_the_evidence_counts_episodes_by_the_fixed_rules_from_the_stored_curves(
     there too), a spike of the baseline's own at 700, a level shift at 800 that is not back at
     the end (censored), QK-Norm inserted at 750 into the baseline (spliced: its detectors see
     the baseline's steps before 750)."""
-    monkeypatch.setattr(H, "SEED_CURVES", tmp_path)
+    monkeypatch.setattr(STO, "SEED_CURVES", tmp_path)
     rng = np.random.default_rng(0)
 
     def write(group, seed, loss, first=0, evals=(2.0, 1.9, 1.9)):
@@ -634,7 +635,7 @@ def test_the_evidence_counts_episodes_by_the_fixed_rules_from_the_stored_curves(
 
 
 def test_the_lr_sweep_reads_final_losses_and_lr_sensitivity_per_seed(tmp_path, monkeypatch):
-    monkeypatch.setattr(H, "CURVES", tmp_path)
+    monkeypatch.setattr(STO, "CURVES", tmp_path)
     record = {"groups": {}}
     finals = {(1e-1, False): [2.0, 2.2, 2.1], (1e-1, True): [1.7, 1.8, 1.75],
               (3e-1, False): [9.0, np.nan, 2.6], (3e-1, True): [1.8, 1.9, 1.85]}
@@ -666,7 +667,7 @@ def test_the_widths_table_finds_the_best_and_the_break_lr_per_width(tmp_path, mo
     level shifts come in 2 of 3 seeds from 1e-1 on (1 of 3 at 3e-2), so the break LR is 0.1, one
     decade above the best; with QK-Norm nothing breaks and the best is the grid's edge. Width 64
     breaks in every seed from 3e-2: its break falls and comes closer to the best."""
-    monkeypatch.setattr(H, "SEED_CURVES", tmp_path)
+    monkeypatch.setattr(STO, "SEED_CURVES", tmp_path)
     grid = (1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
     loss = {1e-3: 2.3, 1e-2: 1.9, 3e-2: 2.0, 1e-1: 2.4, 3e-1: None, 1.0: None}
 
@@ -771,7 +772,7 @@ def test_the_zloss_table_reads_the_output_logits_from_the_stored_curves(tmp_path
     150 of 200 (its log Z is the mean of the last 100 finite steps, 50-149; its max |output
     logit| the largest before the NaNs); the table and results.json take them as planted: log Z
     over the seeds (-149.5 - 150.5 - 101.5) / 3."""
-    monkeypatch.setattr(H, "SEED_CURVES", tmp_path)
+    monkeypatch.setattr(STO, "SEED_CURVES", tmp_path)
     record = {"groups": {}}
     for z, qk in ((0.0, False), (0.0, True), (1e-4, False)):
         name = f"zloss{z:g}-width32{'-qk' if qk else ''}"
@@ -820,7 +821,7 @@ def test_the_stored_tables_are_recomputed_from_the_stored_curves_digit_for_digit
     equal the text printed there; results/ stays under 60 MB. (The evidence table takes a
     minute: python -m lab.experiments --evidence.)"""
     root = pathlib.Path(__file__).parent.parent
-    record = H.load()
+    record = STO.load()
     for readme, part, table in (
             *[("results/README.md", part, table) for part, table in (
                 ("levers", TB.levers_markdown), ("lr-sweep", BR.sweep_markdown),
@@ -832,8 +833,8 @@ def test_the_stored_tables_are_recomputed_from_the_stored_curves_digit_for_digit
         stored = text[text.index(start) + len(start):text.index(f"<!-- /{part} -->")]
         assert table(record).strip() == stored.strip(), (readme, part)
     for path in sorted((root / "results" / "curves").glob("*/*.npz"))[::40]:
-        c = H.read_curve(path.parent.name, path.stem)
-        assert H.curve_arrays(path.parent.name, c).keys() == c.keys(), path  # kept as it says
+        c = STO.read_curve(path.parent.name, path.stem)
+        assert STO.curve_arrays(path.parent.name, c).keys() == c.keys(), path  # kept as it says
     assert sum(f.stat().st_size for f in (root / "results").rglob("*") if f.is_file()) < 60e6
 
 
@@ -952,23 +953,23 @@ def test_a_stored_curve_whose_bytes_changed_is_refused_in_one_line(tmp_path, mon
     """A curve the harness wrote is listed with its sha256 (results/curves/sha256.json): the
     same curve with its arrays zeroed (which would move a row's held-out with no word) is
     refused, naming the file and how to restore it; a curve not listed is read as it is."""
-    monkeypatch.setattr(H, "SEED_CURVES", tmp_path)
-    monkeypatch.setattr(H, "OUT", tmp_path / "search.json")
+    monkeypatch.setattr(STO, "SEED_CURVES", tmp_path)
+    monkeypatch.setattr(STO, "OUT", tmp_path / "search.json")
     (tmp_path / "row").mkdir()
     curve = {"loss": np.linspace(5.0, 2.0, 40, dtype=np.float32), "eval_step": np.array([40]),
              "eval_loss": np.array([2.1], np.float32)}
     for seed in (0, 1):
         np.savez_compressed(tmp_path / "row" / f"seed{seed}.npz", **curve)
-    H.record_checksums(tmp_path, [tmp_path / "row" / "seed0.npz"])
-    np.testing.assert_array_equal(H.read_curve("row", "seed0")["loss"], curve["loss"])
+    STO.record_checksums(tmp_path, [tmp_path / "row" / "seed0.npz"])
+    np.testing.assert_array_equal(STO.read_curve("row", "seed0")["loss"], curve["loss"])
     np.savez_compressed(tmp_path / "row" / "seed0.npz",
                         **{k: np.zeros_like(v) for k, v in curve.items()})
     with pytest.raises(H.UserError, match="seed0.npz is not the file the harness wrote"):
-        H.read_curve("row", "seed0")
-    assert H.read_curve("row", "seed1")["loss"].shape == (40,)  # unlisted: read
+        STO.read_curve("row", "seed0")
+    assert STO.read_curve("row", "seed1")["loss"].shape == (40,)  # unlisted: read
     (tmp_path / "sha256.json").write_text("{")
     with pytest.raises(H.UserError, match="sha256.json cannot be read"):
-        H.read_curve("row", "seed1")
+        STO.read_curve("row", "seed1")
 
 
 def test_the_probe_table_gives_each_probed_rows_layers_and_the_seeds_range():
