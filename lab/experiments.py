@@ -81,6 +81,7 @@ from lab.rows import (
     Group,
     twin,
 )
+from lab.spread import core_queues, run_pinned
 from lab.stats import (
     compare,
     spread,
@@ -251,67 +252,6 @@ def run_all(names: list[str], seeds: list[int], jobs: int) -> dict:
         for batch in (first, later):
             codes |= dict(zip(batch, pool.map(lambda ns: execute(*ns), batch)))
     return codes
-
-
-# ---------------------------------------------------------------------------------------------
-# Harness rows on every core: one process pinned to each, its rows one after the other
-
-def core_queues(groups: list[Group], cores: int) -> list[list[str]]:
-    """The rows not yet recorded, dealt to at most `cores` queues, the longest first (members x
-    steps x width): each to the queue with the least work so far, a fork after its source in
-    the source's queue."""
-    done = load()["groups"]
-    todo = [g for g in groups if g.name not in done]
-    queues: list[list[Group]] = [[] for _ in range(min(cores, len(todo)))]
-    work = [0.0] * len(queues)
-
-    def cost(g: Group) -> float:
-        return len(g.lrs) * len(g.seeds) * g.steps * g.batch_size * g.d_model ** 2
-
-    for g in sorted(todo, key=cost, reverse=True):
-        src = next((i for i, q in enumerate(queues) if g.fork in {x.name for x in q}), None)
-        i = src if src is not None else work.index(min(work))
-        queues[i].append(g)
-        work[i] += cost(g)
-    for q in queues:  # a fork after its source (a stable sort: the rest keep their order)
-        q.sort(key=lambda g: g.fork in {x.name for x in q})
-    return [[g.name for g in q] for q in queues if q]
-
-
-def pinned_command(core: int, module: str, args: list[str]) -> list[str]:
-    """`python -m MODULE ARGS` pinned to `core` from its first line, before JAX starts its
-    threads (no fork of this process, which may hold JAX's)."""
-    return [sys.executable, "-c", f"import os, runpy, sys; os.sched_setaffinity(0, {{{core}}}); "
-            f"sys.argv[0] = {module!r}; runpy.run_module({module!r}, run_name='__main__', "
-            "alter_sys=True)", *args]
-
-
-def run_pinned(queues: list[list[str]], cores: list[int]) -> None:
-    """One `python -m lab.experiments ROWS` per queue, pinned to its own core, its output in
-    runs/logs/; a line here as each process prints a step or records a row."""
-    logs = pathlib.Path("runs/logs")
-    logs.mkdir(parents=True, exist_ok=True)
-    procs = []
-    for core, rows in zip(cores, queues):
-        log = logs / f"core{core}-{rows[0]}.log"
-        procs.append((core, rows, log, subprocess.Popen(
-            pinned_command(core, "lab.experiments", rows), stdout=log.open("w"),
-            stderr=subprocess.STDOUT)))
-        print(f"core {core}: {' '.join(rows)} (log: {log})", flush=True)
-    last = {}
-    while any(p.poll() is None for *_, p in procs):
-        time.sleep(10)
-        for core, _, log, _p in procs:
-            lines = log.read_text().splitlines() or [""]
-            if lines[-1] != last.get(core):
-                last[core] = lines[-1]
-                print(f"core {core}: {lines[-1]}", flush=True)
-    failed = [(core, log) for core, _, log, p in procs if p.returncode]
-    for core, log in failed:
-        print(f"core {core} ended with an error: see {log}", file=sys.stderr)
-    if failed:
-        raise UserError(f"{len(failed)} of {len(procs)} row processes failed; each kept what it "
-                        "recorded, and the same command goes on with the rest")
 
 
 # ---------------------------------------------------------------------------------------------

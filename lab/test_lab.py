@@ -912,23 +912,24 @@ def test_the_probe_reads_the_sink_and_the_gate_from_the_models_own_layers():
 
 
 def test_rows_on_every_core_go_one_pinned_process_per_core(monkeypatch, tmp_path):
-    """python -m lab.experiments ROW ROW ...: the rows not yet recorded dealt to one queue per
-    core (the most work first, each to the least loaded queue; a fork after its source, in the
-    source's queue); each queue one `python -m lab.experiments` pinned to its own core."""
-    monkeypatch.setattr(EX, "load", lambda: {"groups": {"width32-qk": {}}})
+    """python -m lab.experiments ROW ROW ... (lab/spread.py): the rows not yet recorded dealt to
+    one queue per core (the most work first, each to the least loaded queue; a fork after its
+    source, in the source's queue); each queue one `python -m lab.experiments` pinned to its own
+    core."""
+    monkeypatch.setattr(SP, "load", lambda: {"groups": {"width32-qk": {}}})
     rows = [RW.HARNESS_ROWS[n] for n in ("width32", "width32-qk", "story8", "story8-gate",
                                           "story8-gate-inserted", "width32-gate")]
-    queues = EX.core_queues(rows, 2)
+    queues = SP.core_queues(rows, 2)
     assert sorted(n for q in queues for n in q) == sorted(
         ["width32", "story8", "story8-gate", "story8-gate-inserted", "width32-gate"])
     src = next(q for q in queues if "story8" in q)
     assert src.index("story8") < src.index("story8-gate-inserted")
-    assert len(queues) == 2 and EX.core_queues(rows, 1) == [
-        [n for q in EX.core_queues(rows, 1) for n in q]]
+    assert len(queues) == 2 and SP.core_queues(rows, 1) == [
+        [n for q in SP.core_queues(rows, 1) for n in q]]
     core = sorted(os.sched_getaffinity(0))[-1]
     (tmp_path / "affinity_probe.py").write_text(
         "import os, sys\nprint(sys.argv[1:], sorted(os.sched_getaffinity(0)))\n")
-    out = subprocess.run(EX.pinned_command(core, "affinity_probe", ["a", "b"]), cwd=tmp_path,
+    out = subprocess.run(SP.pinned_command(core, "affinity_probe", ["a", "b"]), cwd=tmp_path,
                          capture_output=True, text=True).stdout
     assert out == f"['a', 'b'] [{core}]\n"  # the child runs pinned, with its arguments
     started = []
@@ -942,10 +943,10 @@ def test_rows_on_every_core_go_one_pinned_process_per_core(monkeypatch, tmp_path
 
         def poll(self):
             return 0
-    monkeypatch.setattr(EX.subprocess, "Popen", Fake)
+    monkeypatch.setattr(SP.subprocess, "Popen", Fake)
     monkeypatch.chdir(tmp_path)
-    EX.run_pinned([["width32"]], [core])
-    assert started == [EX.pinned_command(core, "lab.experiments", ["width32"])]
+    SP.run_pinned([["width32"]], [core])
+    assert started == [SP.pinned_command(core, "lab.experiments", ["width32"])]
     assert (tmp_path / "runs/logs" / f"core{core}-width32.log").read_text() == "width32: recorded\n"
 
 
