@@ -48,7 +48,8 @@ def member_grid(g: Group) -> list[tuple[float, int]]:
 
 def machine_record() -> dict:
     """report.machine() and the device the harness trains on: its kind ("cpu", "NVIDIA H200")
-    and JAX's default matmul precision (None: the platform's; a GPU's is TF32 for float32)."""
+    and JAX's default matmul precision (None: the platform's own, which on a GPU may be TF32
+    for float32)."""
     return machine() | {"device": jax.devices()[0].device_kind,
                         "matmul_precision": jax.config.jax_default_matmul_precision}
 
@@ -169,9 +170,11 @@ def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print,
     if keep is not None:
         open_keep(g, keep)
         found = sorted(p.name for p in keep.glob("lr*.npz"))
-        if any(f"lr{lr:g}.npz" not in found for lr in g.lrs):  # a group may span sessions and
-            line = {"machine": machine_record(), "kept": found}  # machines: each call that
-            with open(keep / SESSIONS, "a") as f:  # trains, and what it found kept
+        if any(f"lr{lr:g}.npz" not in found for lr in g.lrs):
+            # a group may span sessions and machines: each call that trains in `keep` leaves
+            # its machine, and what it found kept there
+            line = {"machine": machine_record(), "kept": found}
+            with open(keep / SESSIONS, "a") as f:
                 f.write(json.dumps(line, sort_keys=True) + "\n")
     parts = []
     for lr in g.lrs:
