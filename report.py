@@ -473,6 +473,7 @@ def machine() -> dict:
         pass
     # A run repeats bitwise only on the same CPU model with the same cores: record both.
     return {"cpu": cpu, "cores": os.cpu_count(), "jax": importlib.metadata.version("jax"),
+            "python": platform.python_version(),
             "platform": platform.platform(), "affinity": sorted(os.sched_getaffinity(0))}
 
 

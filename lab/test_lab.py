@@ -306,7 +306,9 @@ def test_a_rows_lrs_trained_apart_are_recorded_with_each_processs_machine(tmp_pa
     """A d_model 128 row spans sessions, machines, or processes (lab/spread.py: ROW@LR): one LR
     trained alone is kept, unrecorded; recording the row then trains only the LRs not kept and
     lists each call's machine (and what it found kept) under `sessions`, whose CPU models or
-    accelerators the tables name (group_cpu); the kept folder is emptied once it is recorded."""
+    accelerators the tables name (group_cpu); an LR trained on another corpus (the embedded
+    one is the running Python's standard library) is refused; the kept folder is emptied once
+    the row is recorded."""
     g = RW.Group("spanned", d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, steps=8,
                  warmup_steps=4, lrs=(1e-3, 1e-2), seeds=(0,), batch_size=8, seq_len=32)
     monkeypatch.setattr(STO, "OUT", tmp_path / "search.json")
@@ -322,6 +324,12 @@ def test_a_rows_lrs_trained_apart_are_recorded_with_each_processs_machine(tmp_pa
     assert trained == [1e-2] and STO.load()["groups"] == {}
     with pytest.raises(H.UserError, match="has no LR 0.005"):
         H.keep_lr(g, 5e-3)
+    sessions = tmp_path / "kept" / "spanned" / "sessions.jsonl"
+    line = sessions.read_text()  # an LR kept under another Python (its corpus): not mixed in
+    sessions.write_text(line.replace(H.machine_record()["corpus_sha256"], "0" * 16))
+    with pytest.raises(H.UserError, match="another corpus"):
+        H.keep_lr(g, 1e-3)
+    sessions.write_text(line)
     alone = H.train_group(dataclasses.replace(g, lrs=(1e-2,)), log=lambda s: None,
                           keep=tmp_path / "kept" / "spanned")  # all kept: it trains nothing,
     assert trained == [1e-2] and len(alone["sessions"]) == 1  # and is no session
