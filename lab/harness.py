@@ -51,8 +51,8 @@ def machine_record() -> dict:
     """report.machine() and the device the harness trains on: its kind ("cpu", "NVIDIA H200")
     and JAX's default matmul precision (None: the platform's own, which on a GPU may be TF32
     for float32); and the data's sha256 (its first 16 digits). NOTE: every row trains on the
-    embedded corpus, this Python's standard library: another Python version is other text (an
-    LR of width128-mup under Python 3.12 ended 0.07 nats/byte below the same under 3.11)."""
+    embedded corpus, this Python's standard library: another Python version is other text
+    (3.12.1's is 11.6 MB, 3.11.7's 12.1 MB)."""
     return machine() | {"device": jax.devices()[0].device_kind,
                         "matmul_precision": jax.config.jax_default_matmul_precision,
                         "corpus_sha256": hashlib.sha256(embedded_corpus()).hexdigest()[:16]}
