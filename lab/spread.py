@@ -6,7 +6,7 @@ row's kept folder (`python -m lab.experiments ROW@LR`); every row whose LRs are 
 recorded as `python -m lab.experiments ROW` records it (its curves and results/search.json, each
 process's machine under `sessions`).
 
-    python -m lab.spread width128-mup width128-qk-mup --jobs 13
+    python -m lab.spread width128-mup width128-qk-mup --jobs 13   # on 13 cores or more
     python -m lab.spread width128-mup --jobs 6 --deadline 3600   # no LR starts after an hour;
                                                                  # one running then is stopped
 
@@ -125,7 +125,8 @@ def run_spread(names: list[str], jobs: int, deadline: float, logs: pathlib.Path,
     seconds (0: no deadline), and one running then is stopped. Returns each name's exit status
     (None: stopped, or not started)."""
     logs.mkdir(parents=True, exist_ok=True)
-    env = os.environ | {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # N processes, one device
+    # on an accelerator each process would otherwise take 75% of its memory at its start
+    env = os.environ | {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     t0, todo, running, codes = time.time(), list(names), {}, dict.fromkeys(names)
     while todo or running:
         late = deadline and time.time() - t0 > deadline
@@ -146,8 +147,9 @@ def run_spread(names: list[str], jobs: int, deadline: float, logs: pathlib.Path,
             name = todo.pop(0)
             core = None if cores is None else min(
                 set(cores) - {c for _, c in running.values()})
-            running[name] = (subprocess.Popen(argv(name, core), stdout=(
-                logs / f"{name}.log").open("w"), stderr=subprocess.STDOUT, env=env), core)
+            with open(logs / f"{name}.log", "w") as out:  # the child holds its own copy
+                running[name] = (subprocess.Popen(argv(name, core), stdout=out,
+                                                  stderr=subprocess.STDOUT, env=env), core)
         time.sleep(1)
     for name in todo:
         log(f"{name}: not started (the deadline)")
