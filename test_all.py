@@ -1025,6 +1025,18 @@ def test_the_embedded_corpus_is_the_stdlib_files_a_glob_finds_read_once_a_proces
     assert corpus is D.load_tokens("") and not corpus.flags.writeable and corpus.size > 1e6
 
 
+def test_spikefix_stdlib_names_another_pythons_library_as_the_corpus(tmp_path, monkeypatch):
+    """A copy of another Python's library (3.11's text under 3.12) is walked as this one's."""
+    for f in ("b.py", "a/c.py", "test/d.py", "a/e.txt"):
+        (tmp_path / f).parent.mkdir(exist_ok=True)
+        (tmp_path / f).write_text(f)
+    monkeypatch.setenv("SPIKEFIX_STDLIB", str(tmp_path))
+    assert D.stdlib_files() == [tmp_path / "a/c.py", tmp_path / "b.py"]
+    monkeypatch.setenv("SPIKEFIX_STDLIB", str(tmp_path / "none"))
+    with pytest.raises(UserError, match="SPIKEFIX_STDLIB=.*none is not a folder"):
+        D.stdlib_files()
+
+
 @pytest.mark.slow
 def test_prepare_trains_a_bpe_and_writes_shards_that_train_with_a_validation_split(tmp_path,
                                                                                     capsys):
