@@ -14,6 +14,7 @@ from lab.rows import (
     KNOBS,
     KNOBS_COSTLY,
     LEVER_BREAKS,
+    MACHINE_ROWS,
     SENSITIVITY_LRS,
     SWEEP,
     SWEEP_LRS,
@@ -134,7 +135,8 @@ def grid(record: dict, names) -> dict | None:
                 for i in range(len(seeds))]
     return {"lrs": lrs, "seeds": seeds, "final": final, "broke": broke, "best_lr": best,
             "bracketed": lrs[0] < best < lrs[-1],
-            "cpu": group_cpu(record["groups"][next(n for n in names if n in record["groups"])]),
+            "cpu": " + ".join(dict.fromkeys(c for n in names if n in record["groups"]
+                                            if (c := group_cpu(record["groups"][n])))) or "?",
             "break_lr": brk, "decades": math.log10(brk / best) if brk else None,
             "best_lr_seeds": [min(f, key=f.get) for f in per_seed],
             "break_lr_seeds": [next((lr for lr in lrs if broke[lr][i]), None)
@@ -232,8 +234,8 @@ def edge(r: dict) -> str:
     return "" if r["bracketed"] else "<=" if r["best_lr"] == r["lrs"][0] else ">="
 
 
-D64 = "d_model 64, "  # a knob tried one width up is compared with that width as it is
-MUP = "muP (base width 32)"  # and muP also with its base width, d_model 32 as it is
+D64, D128 = "d_model 64, ", "d_model 128, "  # a knob tried wider is set against that width
+MUP = "muP (base width 32)"  # as it is; muP also against its base width, d_model 32 as it is
 
 
 def knob_rows(record: dict) -> list[dict]:
@@ -245,7 +247,9 @@ def knob_rows(record: dict) -> list[dict]:
             (tag, (f"width32-{tag}", f"width32-{tag}-qk")) for tag in (*KNOBS, *KNOBS_COSTLY)] + [
             (D64 + "as it is", ("width64", "width64-qk")),
             (D64 + "wd0", ("width64-wd0", "width64-wd0-qk")),
-            (D64 + MUP, ("width64-mup", "width64-qk-mup"))]:
+            (D64 + MUP, ("width64-mup", "width64-qk-mup")),
+            (D128 + "as it is", ("width128", "width128-qk")),
+            (D128 + MUP, ("width128-mup", "width128-qk-mup"))]:
         for qk, name in zip((False, True), names):
             if (r := grid(record, [name, f"{name}-high"])) is None:  # an arm's higher LRs too
                 continue
@@ -264,8 +268,8 @@ def knobs_markdown(record: dict) -> str:
     if not rows:
         return "no knob run yet (python -m lab.experiments width32-b2.999 width32-b2.999-qk ...)"
     lines = ["| knob (d_model 32 unless named) | QK-Norm | best LR (each seed's) | break LR (each "
-             "seed's) | best to break, decades (each seed's) | max attn logit at the break |",
-             "|---" * 6 + "|"]
+             "seed's) | best to break, decades (each seed's) | max attn logit at the break | "
+             "trained on |", "|---" * 7 + "|"]
     for r in rows:
         seeds = ", ".join("—" if d is None else f"{d:.1f}" for d in r["seed_decades"])
         e = edge(r)
@@ -277,8 +281,41 @@ def knobs_markdown(record: dict) -> str:
             f" | {'—' if r['decades'] is None else FLIP[e] + format(r['decades'], '.1f')} "
             f"({seeds}) | "
             f"{'—' if r['break_lr'] is None else format(r['max_logit'][r['break_lr']], ',.0f')}"
-            " |")
-    return "\n".join(lines + [""] + knobs_answer(rows))
+            f" | {r['cpu']} |")
+    return "\n".join(lines + [""] + knobs_answer(rows) + machines_markdown(record))
+
+
+def machine_rows(record: dict) -> list[dict]:
+    """The cells trained on an accelerator and again on a CPU (rows.MACHINE_ROWS, "ROW-cpu"): per
+    cell and machine, the seeds with a level shift (or non-finite), the held-out loss at the end
+    and the max attention logit, by the widths rows' rules."""
+    out = []
+    for g in MACHINE_ROWS:
+        src = g.name.removesuffix("-cpu")
+        if g.name not in record["groups"] or src not in record["groups"]:
+            continue
+        for lr in g.lrs:
+            for name in (src, g.name):
+                ms = members_by_lr(record, name)[lr]
+                out.append({"row": src, "lr": lr, "machine": group_cpu(record["groups"][name]),
+                            "shifted": sum(bool(m["shift_steps"]) or not m["finite"] for m in ms),
+                            "seeds": len(ms), "final": [m["eval_loss"][-1] for m in ms],
+                            "max_logit": max(m["max_attn_logit"] for m in ms)})
+    return out
+
+
+def machines_markdown(record: dict) -> list[str]:
+    rows = machine_rows(record)
+    if not rows:
+        return []
+    lines = ["", "The same cells on two machines (each a draw; the same rules):", "",
+             "| row | LR | trained on | seeds with a level shift | held-out at the end, each seed "
+             "| max attn logit |", "|---" * 6 + "|"]
+    for r in rows:
+        lines.append(f"| {r['row']} | {r['lr']:g} | {r['machine']} | {r['shifted']} of "
+                     f"{r['seeds']} | {', '.join(f'{x:.3f}' for x in r['final'])} | "
+                     f"{r['max_logit']:,.0f} |")
+    return lines
 
 
 def knobs_answer(rows: list[dict]) -> list[str]:
@@ -290,13 +327,14 @@ def knobs_answer(rows: list[dict]) -> list[str]:
     for (knob, qk), r in by.items():
         if qk or knob.endswith("as it is"):
             continue
-        base = by.get((D64 + "as it is" if knob.startswith(D64) else "as it is", False))
+        width = knob[:knob.index(", ") + 2] if ", " in knob else ""  # "d_model 64, " or ""
+        base = by.get((width + "as it is", False))
         twin = by.get((knob, True))
         # a best at the grid's lowest LR leaves only a lower bound on the distance: not "within"
         near = r["decades"] is not None and r["decades"] <= HALF_DECADE and edge(r) != "<="
         twin_ok = twin is not None and (twin["decades"] is None or twin["decades"] > HALF_DECADE)
-        moved = (AT[edge(r)] + f"{r['decades'] - base['decades']:+.1f} decades against the "
-                 "proxy as it is"
+        moved = (AT[edge(r)] + f"{r['decades'] - base['decades']:+.1f} decades against "
+                 f"{width[:-2] or 'the proxy'} as it is"
                  if base and base["decades"] is not None and r["decades"] is not None else
                  "not comparable (a break outside a grid)")
         gap = "nowhere in the grid" if r["decades"] is None else (
@@ -312,7 +350,7 @@ def knobs_answer(rows: list[dict]) -> list[str]:
             out.append(f"  muP's transfer: best LR {show_lr(r['best_lr'])} and break "
                        f"{show_lr(r['break_lr'])}, against its base width's (d_model 32) "
                        f"{b32['best_lr']:g} and {show_lr(b32['break_lr'])} and the standard "
-                       f"d_model 64's {base['best_lr']:g} and {show_lr(base['break_lr'])}: "
+                       f"{width[:-2]}'s {base['best_lr']:g} and {show_lr(base['break_lr'])}: "
                        f"{' and '.join(k[:-3] for k in same) or 'neither'} as at the base "
                        "width.")
     return out

@@ -372,8 +372,19 @@ MUP_ROWS = [dataclasses.replace(g, name=f"{g.name}-mup",
                                 compare_with=f"width{g.d_model}-qk-mup" if not g.qk_norm else "",
                                 lrs=WIDTH_LRS[1:] if g.qk_norm else WIDTH_LRS[1:-1])
             for g in WIDTH_ROWS if g.d_model > 32 and (not g.qk_norm or g.d_model == 128)]
+# Trained on an NVIDIA H200 (JAX 0.11.2, float32 matmuls at "highest" precision, Python 3.11's
+# library as the corpus through SPIKEFIX_STDLIB): the six QK-Norm arms of the batch x4, 8,000
+# steps and d_model 64 without weight decay, and width128-mup's and -qk-mup's LRs from 0.1. A run
+# on another machine is another draw: the cell each answer rests on most trains again on one
+# pinned CPU core, judged by the same rules (breaks.py's machine_rows): the batch x4's QK-Norm
+# break (0.3, 2 of 3 seeds shift on the H200) and muP's d_model 128 below its break (0.1: none
+# shifts, the break at 0.3 with max logits 3.1-3.7e5). Declared before either ran.
+MACHINE_ROWS = [dataclasses.replace(g, name=f"{g.name}-cpu", lrs=lrs, compare_with="")
+                for g in (*KNOB_ROWS, *MUP_ROWS)
+                for name, lrs in (("width32-b64-qk", (0.3,)), ("width128-mup", (0.1,)))
+                if g.name == name]
 HARNESS_ROWS = {g.name: g for g in (*LEVERS, *SWEEP, *EVIDENCE_GROUPS, *WIDTH_ROWS, *ZLOSS_ROWS,
-                                    *KNOB_ROWS, *BREAK_ROWS, *MUP_ROWS)}
+                                    *KNOB_ROWS, *BREAK_ROWS, *MUP_ROWS, *MACHINE_ROWS)}
 
 
 
