@@ -13,10 +13,17 @@ process's machine under `sessions`).
 An LR stopped at the deadline keeps its progress (each held-out evaluation) and goes on from
 there the next time; a row with an LR missing is not recorded, and the same command goes on.
 
-NOTE: on one accelerator use --jobs 1. Measured on an NVIDIA H200 (16 Intel Xeon cores, JAX
-0.11.2): one process trains an LR of width128-mup (3 seeds, 4,000 steps) in 85-93 s, ~75 s of
-it start and compile; 16 processes sharing the GPU, one core each, had not reached their first
-evaluation (step 250) after 390 s.
+NOTE: on one accelerator use a few unpinned processes, float32 matmuls at full precision, and
+this record's corpus (Python 3.11's standard library; SPIKEFIX_STDLIB names a copy of it):
+
+    JAX_DEFAULT_MATMUL_PRECISION=highest XLA_FLAGS=--xla_gpu_autotune_level=0 \
+    SPIKEFIX_STDLIB=/path/to/python3.11 python -m lab.spread ROW ... --jobs 5 --no-pin
+
+Measured on an NVIDIA H200 (16 Intel Xeon cores, JAX 0.11.2) with those flags, 5 unpinned
+`python -m lab.experiments ROW@LR` at a time: 26 LRs of 8 rows in 621 s (two calls), an LR of
+width128-mup (3 seeds, 4,000 steps) in 173-191 s, of the d_model 32 and 64 rows in 52-103 s.
+One process alone, default flags: 85-93 s a width128-mup LR, ~75 s of it start and compile;
+16 processes pinned to a core each had not reached their first evaluation (step 250) in 390 s.
 """
 
 import dataclasses
@@ -105,6 +112,7 @@ class Args:
     jobs: int = 2  # LR processes at a time
     deadline: float = 0.0  # seconds from the start: no LR starts later, one running is stopped
     logs: str = "runs/logs"  # one log per LR: ROW@LR.log
+    pin: bool = True  # each process on a core of its own (off on an accelerator: see NOTE)
 
 
 def kept(row: str, lr: float) -> bool:
@@ -171,7 +179,7 @@ def main(argv: list[str]) -> int:
         open_keep(g, SNAPSHOTS / g.name)
     names = [f"{g.name}@{lr:g}" for g in rows for lr in g.lrs if not kept(g.name, lr)]
     cores = sorted(os.sched_getaffinity(0))
-    pinned = args.jobs <= len(cores)  # one core each: a row repeats bitwise only so pinned
+    pinned = args.pin and args.jobs <= len(cores)  # a CPU row repeats bitwise only so pinned
     print(f"{len(names)} LRs of {len(rows)} rows, {args.jobs} at a time"
           + (", each pinned to a core of its own" if pinned else ""), flush=True)
     codes = run_spread(names, args.jobs, args.deadline, pathlib.Path(args.logs),
