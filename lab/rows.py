@@ -378,7 +378,9 @@ MUP_ROWS = [dataclasses.replace(g, name=f"{g.name}-mup",
 # on another machine is another draw: the cell each answer rests on most trains again on one
 # pinned CPU core, judged by the same rules (breaks.py's machine_rows): the batch x4's QK-Norm
 # break (0.3, 2 of 3 seeds shift on the H200) and muP's d_model 128 below its break (0.1: none
-# shifts, the break at 0.3 with max logits 3.1-3.7e5). Declared before either ran.
+# shifts, the break at 0.3 with max logits 3.1-3.7e5). A cell's verdict survives when the CPU's
+# seeds give the H200's (a break: a level shift in at least half the seeds), whatever the count.
+# Declared before either ran.
 MACHINE_ROWS = [dataclasses.replace(g, name=f"{g.name}-cpu", lrs=lrs, compare_with="")
                 for g in (*KNOB_ROWS, *MUP_ROWS)
                 for name, lrs in (("width32-b64-qk", (0.3,)), ("width128-mup", (0.1,)))
