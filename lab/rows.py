@@ -380,10 +380,12 @@ MUP_ROWS = [dataclasses.replace(g, name=f"{g.name}-mup",
 # break (0.3, 2 of 3 seeds shift on the H200) and muP's d_model 128 below its break (0.1: none
 # shifts, the break at 0.3 with max logits 3.1-3.7e5). A cell's verdict survives when the CPU's
 # seeds give the H200's (a break: a level shift in at least half the seeds), whatever the count.
-# Declared before either ran.
+# Declared before either ran. Then, once width128-qk-mup was recorded: its top LR (1), where by
+# that rule QK-Norm under muP has no break (1 of 3 seeds shifts; held-out 3.0-3.6 at the end).
 MACHINE_ROWS = [dataclasses.replace(g, name=f"{g.name}-cpu", lrs=lrs, compare_with="")
                 for g in (*KNOB_ROWS, *MUP_ROWS)
-                for name, lrs in (("width32-b64-qk", (0.3,)), ("width128-mup", (0.1,)))
+                for name, lrs in (("width32-b64-qk", (0.3,)), ("width128-mup", (0.1,)),
+                                  ("width128-qk-mup", (1.0,)))
                 if g.name == name]
 HARNESS_ROWS = {g.name: g for g in (*LEVERS, *SWEEP, *EVIDENCE_GROUPS, *WIDTH_ROWS, *ZLOSS_ROWS,
                                     *KNOB_ROWS, *BREAK_ROWS, *MUP_ROWS, *MACHINE_ROWS)}
