@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from lab.rows import (
+    HARNESS_ROWS,
     KNOBS,
     KNOBS_COSTLY,
     LEVER_BREAKS,
@@ -255,7 +256,7 @@ def knob_rows(record: dict) -> list[dict]:
                 continue
             r["seed_decades"] = [math.log10(b / a) if b else None
                                  for a, b in zip(r["best_lr_seeds"], r["break_lr_seeds"])]
-            rows.append({"knob": tag, "qk_norm": qk, **r})
+            rows.append({"knob": tag, "qk_norm": qk, "twin": names[1], **r})
     return rows
 
 
@@ -340,7 +341,8 @@ def knobs_answer(rows: list[dict]) -> list[str]:
         gap = "nowhere in the grid" if r["decades"] is None else (
             AT[edge(r)] + f"{r['decades']:.1f} decades above its best LR"
             + (" (its best at the grid's edge)" if edge(r) else ""))
-        qk = "QK-Norm's arm has not run" if twin is None else "with QK-Norm " + (
+        qk = ("QK-Norm's arm " + ("has not run" if r["twin"] in HARNESS_ROWS else
+                                  "is not declared")) if twin is None else "with QK-Norm " + (
             "no break in the grid" if twin["decades"] is None else
             AT[edge(twin)] + f"{twin['decades']:.1f} decades")
         verdict = ". **Within half a decade while QK-Norm is not.**" if near and twin_ok else "."
