@@ -775,6 +775,35 @@ def test_the_knob_and_lever_tables_read_the_distance_and_the_break_ratio_per_see
                                     "results/README.md.")
 
 
+def test_the_machine_check_sets_each_cell_on_the_accelerator_against_its_cpu_rerun():
+    """A cell trained on an H200 and again on a CPU ("ROW-cpu"): each machine's seeds with a
+    level shift (or non-finite) counted apart, each named; the knob table names the machine of
+    each arm, and an arm with no QK-Norm twin declared says so."""
+    def members(lr, shifted, machine):
+        return {"sessions": [{"machine": {"device": machine[0], "cpu": machine[1]}}],
+                "members": [{"lr": lr, "seed": s, "finite": s != 2 or not shifted[2],
+                             "eval_loss": [5.0, 2.0 + s / 100], "max_attn_logit": 300.0 + s,
+                             "shift_steps": [900] if shift else []}
+                            for s, shift in enumerate(shifted)]}
+    h200, epyc = ("NVIDIA H200", "Intel(R) Xeon(R) Processor"), ("cpu", "AMD EPYC")
+    record = {"groups": {"width32-b64-qk": members(0.3, (True, True, False), h200),
+                         "width32-b64-qk-cpu": members(0.3, (False, False, True), epyc),
+                         "width64-mup": members(0.3, (True,) * 3, epyc),
+                         "width64": members(0.3, (True,) * 3, epyc),
+                         "width32-bf16": members(0.3, (True,) * 3, epyc)}}
+    rows = BR.machine_rows(record)
+    assert [(r["machine"], r["shifted"]) for r in rows] == [("NVIDIA H200", 2), ("AMD EPYC", 1)]
+    text = BR.knobs_markdown(record)
+    assert "| width32-b64-qk | 0.3 | AMD EPYC | 1 of 3 | 2.000, 2.010, 2.020 | 302 |" in text
+    assert "| b64 | yes | <= 0.3 (0.3, 0.3, 0.3) | 0.3 (0.3, 0.3, none) |" in text
+    assert [line.rsplit("| ", 1)[1] for line in text.splitlines()[2:6]] == [
+        "AMD EPYC |", "NVIDIA H200 |", "AMD EPYC |", "AMD EPYC |"]  # bf16 first, then b64
+    assert "muP (base width 32): the baseline breaks at least 0.0 decades above its best LR " \
+        "(its best at the grid's edge) (at least +0.0 decades against d_model 64 as it is); " \
+        "QK-Norm's arm is not declared." in text
+    assert "- bf16:" in text and "QK-Norm's arm has not run." in text  # declared, not recorded
+
+
 def test_the_zloss_table_reads_the_output_logits_from_the_stored_curves(tmp_path, monkeypatch):
     """Planted z-loss members at d_model 32: z-loss off, LR 1, seed 2 goes non-finite at step
     150 of 200 (its log Z is the mean of the last 100 finite steps, 50-149; its max |output
