@@ -23,7 +23,7 @@ from lab.rows import (
     ZLOSS_ROWS,
 )
 from lab.stats import bootstrap
-from lab.store import group_cpu, read_curve
+from lab.store import group_cpu, lr_cpu, read_curve
 
 
 def sweep_rows(record: dict) -> list[dict]:
@@ -298,7 +298,10 @@ def machine_rows(record: dict) -> list[dict]:
         for lr in g.lrs:
             for name in (src, g.name):
                 ms = members_by_lr(record, name)[lr]
-                out.append({"row": src, "lr": lr, "machine": group_cpu(record["groups"][name]),
+                entry = record["groups"][name]
+                row_cpu = group_cpu(entry) or "?"  # one machine, or which of several not kept
+                out.append({"row": src, "lr": lr, "machine": lr_cpu(entry, lr) or (
+                    row_cpu if " + " not in row_cpu else f"{row_cpu} (which, not recorded)"),
                             "shifted": sum(bool(m["shift_steps"]) or not m["finite"] for m in ms),
                             "seeds": len(ms), "final": [m["eval_loss"][-1] for m in ms],
                             "max_logit": max(m["max_attn_logit"] for m in ms)})

@@ -177,7 +177,8 @@ def train_group(g: Group, chunk: int = 50, eval_every: int = 250, log=print,
         if any(f"lr{lr:g}.npz" not in found for lr in g.lrs):
             # a group may span sessions and machines: each call that trains in `keep` leaves
             # its machine, and what it found kept there; never two corpora in one row
-            line = {"machine": machine_record(), "kept": found}
+            line = {"machine": machine_record(), "kept": found,
+                    "trains": [lr for lr in g.lrs if f"lr{lr:g}.npz" not in found]}
             corpus = line["machine"]["corpus_sha256"]
             other = {s["machine"].get("corpus_sha256", corpus) for s in read_sessions(keep)}
             if other - {corpus}:

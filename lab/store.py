@@ -55,13 +55,25 @@ def read_npz(path: pathlib.Path, fix: str) -> dict[str, np.ndarray]:
         raise UserError(f"{path} cannot be read ({type(e).__name__}: damaged): {fix}") from None
 
 
+def machine_name(m: dict) -> str | None:
+    """A machine record's accelerator, or its CPU model where it trained on the CPU."""
+    return m["device"] if m.get("device", "cpu") != "cpu" else m.get("cpu")
+
+
 def group_cpu(entry: dict) -> str | None:
     """The CPU model a recorded group ran on (its accelerator where it ran on one), each one
     joined where its LRs ran on several; None where its record names none (the first groups')."""
-    def name(m: dict) -> str | None:
-        return m["device"] if m.get("device", "cpu") != "cpu" else m.get("cpu")
-    cpus = [name(s["machine"]) for s in entry.get("sessions", [])] or [
-        name(entry.get("machine", {}))]
+    cpus = [machine_name(s["machine"]) for s in entry.get("sessions", [])] or [
+        machine_name(entry.get("machine", {}))]
+    return " + ".join(dict.fromkeys(c for c in cpus if c)) or None
+
+
+def lr_cpu(entry: dict, lr: float) -> str | None:
+    """The CPU model or accelerator that trained LR `lr` of a recorded group: each session that
+    set out to train it (a stopped LR goes on in a later one); None where no session says (its
+    sessions predate `trains`)."""
+    cpus = [machine_name(s["machine"]) for s in entry.get("sessions", [])
+            if lr in s.get("trains", ())]
     return " + ".join(dict.fromkeys(c for c in cpus if c)) or None
 
 

@@ -337,6 +337,8 @@ def test_a_rows_lrs_trained_apart_are_recorded_with_each_processs_machine(tmp_pa
     entry = STO.load()["groups"]["spanned"]
     assert trained == [1e-2, 1e-3] and [m["lr"] for m in entry["members"]] == [1e-3, 1e-2]
     assert [s["kept"] for s in entry["sessions"]] == [[], ["lr0.01.npz"]]
+    assert [s["trains"] for s in entry["sessions"]] == [[1e-2], [1e-3]]  # each LR's machine
+    assert STO.lr_cpu(entry, 1e-3) == H.machine_record()["cpu"] and STO.lr_cpu(entry, 3.0) is None
     assert entry["sessions"][1]["machine"] == entry["machine"] == H.machine_record()
     assert entry["machine"]["device"] == "cpu"
     assert sorted(p.name for p in (tmp_path / "kept" / "spanned").iterdir()) == ["settings.json"]
@@ -780,7 +782,8 @@ def test_the_machine_check_sets_each_cell_on_the_accelerator_against_its_cpu_rer
     level shift (or non-finite) counted apart, each named; the knob table names the machine of
     each arm, and an arm with no QK-Norm twin declared says so."""
     def members(lr, shifted, machine):
-        return {"sessions": [{"machine": {"device": machine[0], "cpu": machine[1]}}],
+        return {"sessions": [{"machine": {"device": machine[0], "cpu": machine[1]},
+                              "trains": [lr] if machine == h200 else []}],
                 "members": [{"lr": lr, "seed": s, "finite": s != 2 or not shifted[2],
                              "eval_loss": [5.0, 2.0 + s / 100], "max_attn_logit": 300.0 + s,
                              "shift_steps": [900] if shift else []}
@@ -792,9 +795,10 @@ def test_the_machine_check_sets_each_cell_on_the_accelerator_against_its_cpu_rer
                          "width64": members(0.3, (True,) * 3, epyc),
                          "width32-bf16": members(0.3, (True,) * 3, epyc)}}
     rows = BR.machine_rows(record)
-    assert [(r["machine"], r["shifted"]) for r in rows] == [("NVIDIA H200", 2), ("AMD EPYC", 1)]
+    assert [(r["machine"], r["shifted"]) for r in rows] == [  # a session without the cell's LR
+        ("NVIDIA H200", 2), ("AMD EPYC", 1)]
     text = BR.knobs_markdown(record)
-    assert "| width32-b64-qk | 0.3 | AMD EPYC | 1 of 3 | 2.000, 2.010, 2.020 | 302 |" in text
+    assert "| width32-b64-qk | 0.3 | NVIDIA H200 | 2 of 3 | 2.000, 2.010, 2.020 | 302 |" in text
     assert "| b64 | yes | <= 0.3 (0.3, 0.3, 0.3) | 0.3 (0.3, 0.3, none) |" in text
     assert [line.rsplit("| ", 1)[1] for line in text.splitlines()[2:6]] == [
         "AMD EPYC |", "NVIDIA H200 |", "AMD EPYC |", "AMD EPYC |"]  # bf16 first, then b64
