@@ -84,10 +84,9 @@ STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
 
 
 def stdlib_files() -> list[pathlib.Path]:
-    """The embedded corpus's files: the standard library's .py files outside STDLIB_SKIP's
-    folders, sorted (a walk that does not enter those folders: 50x faster than a glob). The
-    library is this Python's, or the copy of another's that SPIKEFIX_STDLIB names (3.11's text
-    on a machine with Python 3.12: each Python's is other text)."""
+    """The embedded corpus's files: the .py files of this Python's standard library (or of the
+    copy of another's that SPIKEFIX_STDLIB names) outside STDLIB_SKIP's folders, sorted (a walk
+    that does not enter those folders: 50x faster than a glob)."""
     root = pathlib.Path(os.environ.get("SPIKEFIX_STDLIB") or sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
         raise UserError(f"SPIKEFIX_STDLIB={root} is not a folder (a copy of a Python's "
