@@ -175,18 +175,6 @@ def write_config(run_dir: pathlib.Path, config: dict) -> None:
         tmp.write_text(json.dumps(config, indent=2))
 
 
-def strict_json(obj, indent: int | None = None) -> str:
-    """JSON in which NaN and +-inf are null (json.dumps would write the non-standard NaN /
-    Infinity tokens that strict readers reject)."""
-    def clean(v):
-        if isinstance(v, float) and not math.isfinite(v):
-            return None
-        if isinstance(v, dict):
-            return {str(k): clean(x) for k, x in v.items()}
-        return [clean(x) for x in v] if isinstance(v, (list, tuple)) else v
-    return json.dumps(clean(obj), indent=indent, allow_nan=False)
-
-
 # ---------------------------------------------------------------------------------------------
 # Orbax checkpoints
 

@@ -12,7 +12,9 @@ one line naming the problem and the fix, and exit status 2; never a traceback.
 import contextlib
 import functools
 import io
+import json
 import logging
+import math
 import os
 import pathlib
 import re
@@ -158,3 +160,15 @@ def drop_torn_line(path: pathlib.Path, announce=print) -> None:
         if tail and not tail.endswith(b"\n"):
             f.truncate(tail_start + tail.rfind(b"\n") + 1)
             announce(f"note: dropped the cut-off last line of {path} (a crash mid-write)")
+
+
+def strict_json(obj, indent: int | None = None) -> str:
+    """JSON in which NaN and +-inf are null (json.dumps would write the non-standard NaN /
+    Infinity tokens that strict readers reject)."""
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {str(k): clean(x) for k, x in v.items()}
+        return [clean(x) for x in v] if isinstance(v, (list, tuple)) else v
+    return json.dumps(clean(obj), indent=indent, allow_nan=False)

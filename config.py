@@ -94,26 +94,6 @@ class TrainConfig:
             raise ValueError("--mesh.data and --mesh.model must be positive")
 
 
-def check_escalation(cfg: TrainConfig) -> None:
-    """A UserError, before anything is written, for a guard escalation this run could not carry
-    out (checked on the config asked for; once the guard has escalated, the run's effective
-    config has what it escalated to)."""
-    escalate, qk_norm, qk_clip = cfg.guard.escalate, cfg.model.qk_norm, cfg.optim.qk_clip > 0
-    if cfg.guard.on and escalate == "attn-gate" and cfg.model.attn_gate != "none":
-        raise UserError("--guard.escalate attn-gate inserts the attention gate, which this run "
-                        "already has: escalate to qk-norm, stop or none")
-    if not cfg.guard.on or escalate not in ("qk-norm", "qk-clip"):
-        return
-    if escalate == "qk-norm" and (qk_norm or qk_clip):
-        raise UserError("--guard.escalate qk-norm inserts QK-Norm, which this run "
-                        + ("already has" if qk_norm else "cannot take beside --optim.qk-clip")
-                        + ": escalate to qk-clip, stop or none")
-    if escalate == "qk-clip" and (qk_norm or qk_clip):
-        raise UserError("--guard.escalate qk-clip switches QK-Clip on, which this run "
-                        + ("already has" if qk_clip else "cannot take beside --model.qk-norm")
-                        + ": escalate to qk-norm, stop or none")
-
-
 # Settings that may change when a run directory is resumed: they do not change the math.
 RESUMABLE = {"run_dir", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
              "microbatches", "peak_tflops",
@@ -256,8 +236,7 @@ def load_checkpointed(run_dir: pathlib.Path, step: int | None, flag: str = "",
         raise UserError(f"{flag}{run_dir} has no checkpoint at step {step}; it has {steps}")
     step = steps[-1] if step is None else step
     # a run the guard escalated: its checkpoints after the escalation hold the escalated model
-    events = guard.split_at(read_events(run_dir), step)[0]
-    return guard.effective_config(cfg, events, restored_at=step), step
+    return config_at(cfg, guard.split_at(read_events(run_dir), step)[0], step), step
 
 
 # Settings that change the math, which a resume may still change on purpose: QK-Clip
@@ -340,11 +319,14 @@ def parse_flags(default: TrainConfig, args: list[str], description: str = "") ->
     return cfg
 
 
-def effective(user_cfg: TrainConfig, events: list, restored_at: int | None = None):
-    """guard.effective_config, with a setting that cannot go beside what the guard did (QK-Clip
-    switched on by a resume after it inserted QK-Norm) a UserError."""
+def config_at(cfg: TrainConfig, events: list, step: int | None = None) -> TrainConfig:
+    """The config a run had at `step`: `cfg` (config.json's, or a resume's flags) with the
+    guard's recorded actions applied (events.jsonl: replaced windows, re-warmups,
+    escalations). At a checkpoint `step`, only the escalations that checkpoint holds (the shape
+    of its state); with none, all of them (the run as it goes on). A setting that cannot go
+    beside what the guard did (QK-Clip switched on after it inserted QK-Norm) is a UserError."""
     try:
-        return guard.effective_config(user_cfg, events, restored_at)
+        return guard.effective_config(cfg, events, step)
     except ValueError as e:
         done = ", ".join(f"{x['escalation']} at step {x['rollback_to']}" for x in acted(events)
                          if x.get("escalation"))

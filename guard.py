@@ -82,8 +82,8 @@ class GuardConfig:
     max_actions: int = 20  # stop after this many rollbacks (a guard that cannot help)
     # At a level shift, a held-out rise below this fraction of the train loss's rise means the
     # data shifted (Marin's cooldown shuffle): recorded as "data", no rollback (in_the_data).
-    # Off (0) by default: on the stored story curves 0.5 would pass 4 of 15 real shifts (in
-    # the guarded runs themselves, story8-guard-escalate-data, it passed 0 of 5).
+    # Off (0) by default: at 0.5 it lets real shifts through too (results/README.md, the
+    # guard's section, story8-guard-escalate-data).
     data_fraction: float = 0.0
     # "max-logit": before any event, escalate where the run stands (no rollback) at a
     # checkpoint step whose last step's max attention logit is above --guard.predict-above

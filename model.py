@@ -39,28 +39,23 @@ class ModelConfig:
     init_std: float = 0.02  # OLMo 2: N(0, 0.02)
     dtype: str = "float32"  # compute dtype; "bfloat16" on accelerators (params stay float32)
     # True: the layers run as a lax.scan loop, compile time independent of depth. False unrolls
-    # it (same stacked parameters, same checkpoints): XLA fuses across layers, faster on a
-    # shallow model (the cpu and story presets), but compile time grows with depth.
+    # it (the same parameters): faster on a shallow model, compile time grows with depth.
     scan_layers: bool = True
     # Which attention computes the same math (attention.py): auto picks by platform and length;
     # dense is the reference (and what the recorded experiments ran); blockwise is O(T) memory.
     attention: A.Form = "auto"
     attention_block: int = 256  # blockwise: positions per query / key block
     attn_softcap: float = 0.0  # scores -> c * tanh(s / c) before the softmax (Gemma 2: 50); 0: off
-    # Scaled Embed (Takase et al. 2312.16903, "Spike No More"): the token embeddings times
-    # sqrt(d_model), a large shortcut against the sub-layers. NOTE: from N(0, init_std) the
-    # stream starts at std init_std * sqrt(d_model): 0.11 at d_model 32, 1 only near 2,500.
+    # Scaled Embed ("Spike No More", 2312.16903): the embeddings times sqrt(d_model). NOTE:
+    # from N(0, init_std) the stream starts at std init_std * sqrt(d_model), 1 only near 2,500.
     embed_scale: bool = False
-    # The attention gate (Qiu et al., Gated Attention, 2505.06708; Marin kept it): a gate on each
-    # head's output before the output projection, from the block's normed input; one per head
-    # ("headwise") or per head dimension ("elementwise"). Form "marin": 2 * sigmoid(h @ W_gate),
-    # W_gate zero at init, so the gate is exactly 1 (inserting it mid-run changes nothing);
-    # "qwen": sigmoid(h @ W_gate), W_gate drawn as the other weights (Qwen3-Next's).
+    # The attention gate (Gated Attention, 2505.06708; Marin kept it) on each head's output,
+    # from the block's normed input: "headwise" or "elementwise". Form "marin": 2 * sigmoid(h @
+    # W_gate), W_gate zero at init (exactly 1: an insertion changes nothing); "qwen": sigmoid.
     attn_gate: str = "none"
     attn_gate_form: str = "marin"
-    # The parametrisation: "standard" (every weight N(0, init_std), one LR), or "mup" (Yang et
-    # al., Tensor Programs V, 2203.03466, as microsoft/mup does it for Adam): this model is
-    # compared with itself at `mup_base_width` (mup_scales), and equals the standard model there.
+    # "standard" (every weight N(0, init_std), one LR) or "mup" (muP, the section at the end):
+    # this model against itself at `mup_base_width`, where the two are the same model.
     param: str = "standard"
     mup_base_width: int = 32
 
@@ -82,23 +77,20 @@ class ModelConfig:
               "none, headwise or elementwise")
         check(("attn_gate_form",), lambda x: x in ("marin", "qwen"), "marin or qwen")
         check(("mup_base_width",), lambda x: x > 0, "positive")
-        # settings that must agree with one another
-        if self.d_model % self.n_heads:
-            raise ValueError(f"model.d_model={self.d_model} is not divisible by "
-                             f"model.n_heads={self.n_heads}: pick n_heads that divides d_model")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"model.n_heads={self.n_heads} is not a multiple of "
-                             f"model.n_kv_heads={self.n_kv_heads}: pick n_kv_heads that divides "
-                             "n_heads")
-        if self.head_dim % 2:
-            raise ValueError(f"model.d_model / model.n_heads = {self.head_dim} is odd: RoPE "
-                             "rotates pairs of dimensions, so the head dimension must be even")
-        if self.attention == "cudnn" and self.dtype == "float32":
-            raise ValueError("model.attention cudnn needs --model.dtype bfloat16 or float16 "
-                             "(cuDNN's fused attention has no float32 kernel)")
-        if self.attn_softcap and self.attention == "cudnn":
-            raise ValueError("model.attention cudnn has no soft-cap (the library call lacks "
-                             "it): use --model.attention blockwise with --model.attn-softcap")
+        for wrong, why in (  # settings that must agree with one another
+                (self.d_model % self.n_heads, f"model.d_model={self.d_model} is not divisible by "
+                 f"model.n_heads={self.n_heads}: pick n_heads that divides d_model"),
+                (self.n_heads % self.n_kv_heads, f"model.n_heads={self.n_heads} is not a multiple"
+                 f" of model.n_kv_heads={self.n_kv_heads}: pick n_kv_heads that divides n_heads"),
+                (self.d_model // self.n_heads % 2, f"model.d_model / model.n_heads = "
+                 f"{self.d_model // self.n_heads} is odd: RoPE rotates pairs of dimensions, so "
+                 "the head dimension must be even"),
+                (self.attention == "cudnn" and self.dtype == "float32", "model.attention cudnn "
+                 "needs --model.dtype bfloat16 or float16 (cuDNN has no float32 kernel)"),
+                (self.attn_softcap and self.attention == "cudnn", "model.attention cudnn has no "
+                 "soft-cap: use --model.attention blockwise with --model.attn-softcap")):
+            if wrong:
+                raise ValueError(why)
         if self.param == "mup":
             width_config(self, self.mup_base_width)  # the base exists (raises if it does not)
 
@@ -121,12 +113,8 @@ def _normal(std):
     return lambda key, shape: std * jax.random.normal(key, shape, jnp.float32)
 
 
-def _ones(key, shape):
-    return jnp.ones(shape, jnp.float32)
-
-
-def _zeros(key, shape):
-    return jnp.zeros(shape, jnp.float32)
+def _constant(value):
+    return lambda key, shape: jnp.full(shape, value, jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +133,7 @@ def param_table(cfg: ModelConfig) -> dict[str, ParamSpec]:
     w = _normal(cfg.init_std)
     table = {
         "embed": ParamSpec((V, D), ("vocab", "embed"), w, False),
-        "layers/attn_norm": ParamSpec((L, D), ("layers", "embed"), _ones, False),
+        "layers/attn_norm": ParamSpec((L, D), ("layers", "embed"), _constant(1.0), False),
         "layers/wq": ParamSpec((L, D, N, H), ("layers", "embed", "heads", "head_dim"), w, True,
                                (1,)),
         "layers/wk": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), w, True,
@@ -154,15 +142,15 @@ def param_table(cfg: ModelConfig) -> dict[str, ParamSpec]:
                                (1,)),
         "layers/wo": ParamSpec((L, N, H, D), ("layers", "heads", "head_dim", "embed"), w, True,
                                (1, 2)),
-        "layers/mlp_norm": ParamSpec((L, D), ("layers", "embed"), _ones, False),
+        "layers/mlp_norm": ParamSpec((L, D), ("layers", "embed"), _constant(1.0), False),
         "layers/w_gate": ParamSpec((L, D, F), ("layers", "embed", "ffw"), w, True, (1,)),
         "layers/w_up": ParamSpec((L, D, F), ("layers", "embed", "ffw"), w, True, (1,)),
         "layers/w_down": ParamSpec((L, F, D), ("layers", "ffw", "embed"), w, True, (1,)),
-        "final_norm": ParamSpec((D,), ("embed",), _ones, False),
+        "final_norm": ParamSpec((D,), ("embed",), _constant(1.0), False),
         "head": ParamSpec((D, V), ("embed", "vocab"), w, True, (0,)),
     }
     if cfg.attn_gate != "none":
-        init = _zeros if cfg.attn_gate_form == "marin" else w
+        init = _constant(0.0) if cfg.attn_gate_form == "marin" else w
         table["layers/w_attn_gate"] = (
             ParamSpec((L, D, N), ("layers", "embed", "heads"), init, True, (1,))
             if cfg.attn_gate == "headwise" else
@@ -170,62 +158,9 @@ def param_table(cfg: ModelConfig) -> dict[str, ParamSpec]:
     if cfg.qk_norm:
         # One [H] scale per layer shared by all heads (Levanter's Qwen3, which Marin switched to;
         # per-head norm did slightly better than full-width in Wortsman et al. 2309.14322).
-        table["layers/q_norm"] = ParamSpec((L, H), ("layers", "head_dim"), _ones, False)
-        table["layers/k_norm"] = ParamSpec((L, H), ("layers", "head_dim"), _ones, False)
+        table["layers/q_norm"] = ParamSpec((L, H), ("layers", "head_dim"), _constant(1.0), False)
+        table["layers/k_norm"] = ParamSpec((L, H), ("layers", "head_dim"), _constant(1.0), False)
     return table
-
-
-def width_config(cfg: ModelConfig, d_model: int) -> ModelConfig:
-    """The same model at another width, the standard parametrisation: d_ff, the query and KV
-    heads in proportion to d_model, the head dimension kept (the widths rows' scaling)."""
-    def scaled(n: int, what: str) -> int:
-        if (n * d_model) % cfg.d_model:
-            raise ValueError(f"model.mup_base_width {d_model}: {what} {n} at d_model "
-                             f"{cfg.d_model} does not scale to a whole number; pick a base "
-                             "width that divides it")
-        return n * d_model // cfg.d_model
-    return dataclasses.replace(
-        cfg, param="standard", d_model=d_model, d_ff=round(cfg.d_ff * d_model / cfg.d_model),
-        n_heads=scaled(cfg.n_heads, "n_heads"), n_kv_heads=scaled(cfg.n_kv_heads, "n_kv_heads"))
-
-
-def mup_scales(cfg: ModelConfig) -> dict[str, tuple[float, float]]:
-    """muP for Adam, from the parameter table, as microsoft/mup derives it: a dimension is
-    "infinite" where the base model (mup_base_width) and a delta model (twice as wide) differ;
-    a weight with an infinite dimension both in its fan-in and in its fan-out is matrix-like
-    (MuAdam: `ninf() == 2`), with width multiplier m = its fan-in over the base's: its init std
-    times m^-1/2 (mup.init's constant-std init) and its Adam LR times 1/m (MuAdam's lr /=
-    width_mult; weight decay, applied after, keeps lr x wd as MuAdamW does). The rest (the
-    embedding, the readout, the norms' scales) is vector-like: as the standard model, the
-    readout's input times output_mult instead (MuReadout). The attention scale: muP's 1/H
-    (with mup's compatibility factor at the base, sqrt(H_base) / H) equals 1/sqrt(H) here,
-    since the head dimension is kept across widths. {name: (init multiplier, LR multiplier)};
-    all 1 for the standard parametrisation."""
-    table = param_table(cfg)
-    if cfg.param != "mup":
-        return {name: (1.0, 1.0) for name in table}
-    base, delta = (param_table(width_config(cfg, w))
-                   for w in (cfg.mup_base_width, 2 * cfg.mup_base_width))
-    out = {}
-    for name, spec in table.items():
-        inf = {d for d, a in enumerate(spec.axes)
-               if a != "layers" and base[name].shape[d] != delta[name].shape[d]}
-        fan_out = {d for d, a in enumerate(spec.axes) if a != "layers"} - set(spec.fan_in)
-        if spec.fan_in and inf & set(spec.fan_in) and inf & fan_out:
-            m = (math.prod(spec.shape[d] for d in spec.fan_in)
-                 / math.prod(base[name].shape[d] for d in spec.fan_in))
-            out[name] = (m ** -0.5, 1 / m)
-        else:
-            out[name] = (1.0, 1.0)
-    return out
-
-
-def lr_multipliers(cfg: ModelConfig) -> dict | None:
-    """The Adam LR multiplier of every parameter (a params-shaped pytree), None if all are 1."""
-    scales = mup_scales(cfg)
-    if all(lr == 1.0 for _, lr in scales.values()):
-        return None
-    return _nest({name: lr for name, (_, lr) in scales.items()})
 
 
 # Logical axis -> mesh axis, for parameters and activations alike (jax-llm-examples'
@@ -234,18 +169,10 @@ def lr_multipliers(cfg: ModelConfig) -> dict | None:
 # Change a strategy here, only here.
 LOGICAL_TO_MESH = {
     # parameters
-    "layers": None,
-    "embed": "data",
-    "vocab": "model",
-    "heads": "model",
-    "kv_heads": "model",
-    "ffw": "model",
-    "head_dim": None,
+    "layers": None, "embed": "data", "head_dim": None,
+    "vocab": "model", "heads": "model", "kv_heads": "model", "ffw": "model",
     # activations (their heads, kv_heads, ffw and head_dim axes are the parameters')
-    "batch": "data",
-    "seq": None,
-    "act_embed": None,
-    "act_vocab": None,
+    "batch": "data", "seq": None, "act_embed": None, "act_vocab": None,
 }
 
 
@@ -327,20 +254,6 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6 * n + 6 * cfg.n_layers * seq_len * cfg.d_model
 
 
-def activation_bytes(cfg: ModelConfig, tokens: int, model_shards: int = 1) -> int:
-    """An estimate of the activations a train step keeps for its backward (no
-    rematerialisation), for `tokens` tokens on one device whose heads, ffw and vocab are split
-    `model_shards` ways: per layer and token the two blocks' normed inputs and residuals (4 D),
-    q and the attention output (2 N H), k and v (2 K H), the MLP's gate, up and their product
-    (3 F), in the compute dtype; and the logits with their gradient in float32 (2 V). A lower
-    bound on the step's peak: the backward's temporaries come on top (XLA:CPU's peak temporary
-    memory was 2.3-2.6x this on the small configs of the test)."""
-    D, H, F, V = cfg.d_model, cfg.head_dim, cfg.d_ff, cfg.vocab_size
-    layer = 4 * D + (2 * cfg.n_heads * H + 2 * cfg.n_kv_heads * H + 3 * F) / model_shards
-    return int(tokens * (cfg.n_layers * layer * jnp.dtype(cfg.dtype).itemsize
-                         + 2 * V / model_shards * 4))
-
-
 # ---------------------------------------------------------------------------------------------
 # The forward pass.
 
@@ -361,9 +274,8 @@ def rope(x_BTNH, theta: float, offset=0):
 
 
 def rope_tables(T: int, H: int, theta: float, offset=0):
-    """cos and sin of each position's angles, [1, T, 1, H/2]. With a static offset (training)
-    they are built as trace-time constants: computed in the graph, XLA:CPU recomputes them
-    once per element of x (bench/README.md). The values are the same either way."""
+    """cos and sin of each position's angles, [1, T, 1, H/2]. NOTE: with a static offset
+    (training) trace-time constants, which XLA:CPU would otherwise recompute (bench/)."""
     static = isinstance(offset, int)
     with jax.ensure_compile_time_eval() if static else contextlib.nullcontext():
         freq_H2 = theta ** (-jnp.arange(0, H, 2, dtype=jnp.float32) / H)
@@ -382,14 +294,16 @@ def gather_weights(p: dict, cfg: ModelConfig, dtype) -> dict:
     return {k: jax.reshard(v, specs[k]).astype(dtype) for k, v in p.items() if k != "layers"}
 
 
-def einsum_2d_for_xla_cpu(x, w, out_axes: tuple[str, ...]):
-    """x [B, T, *in] times w [*in, *out] -> [B, T, *out], its `out` axes sharded as the
-    logical `out_axes`: the einsum over the `in` axes. NOTE: a tuning for XLA:CPU, the math is
-    the einsum's: computed as one 2-D [B*T, in] x [in, out] matmul, because XLA:CPU's backward
-    of the batched form (whose weight gradient contracts over B and T) is slower."""
+def matmul(subscripts: str, x, w, out: tuple[str, ...]):
+    """A projection, jnp.einsum(subscripts, x, w) with subscripts "bt<in>,<in><out>->bt<out>",
+    its output sharded as the logical axes `out`. NOTE: computed as one 2-D [B*T, in] x [in,
+    out] matmul, the same math: XLA:CPU's backward of the batched form is slower (bench/)."""
+    xs, ws, ys = subscripts.replace("->", ",").split(",")
+    if not (xs[:2] == ys[:2] == "bt" and ws == xs[2:] + ys[2:]):
+        raise ValueError(f"{subscripts}: not a projection bt<in>,<in><out>->bt<out>")
     B, T = x.shape[:2]
     out_shape = w.shape[x.ndim - 2:]
-    out_spec = rows_spec = y_spec = shard("batch", "seq", *out_axes)  # None outside a mesh
+    out_spec = rows_spec = y_spec = shard("batch", "seq", *out)  # None outside a mesh
     if out_spec is not None:  # rows B*T on the batch's axis; features as x's / the output's
         x_spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
         rows_spec, y_spec = P(out_spec[0], x_spec[2]), P(out_spec[0], out_spec[2])
@@ -402,9 +316,9 @@ def einsum_2d_for_xla_cpu(x, w, out_axes: tuple[str, ...]):
 def qkv(h_BTD, p, cfg: ModelConfig, offset=0):
     """One layer's queries, keys and values: the projections, QK-Norm (if on) and RoPE, for
     positions offset..offset+T-1. The training forward and the cached decode both call this."""
-    q_BTNH = einsum_2d_for_xla_cpu(h_BTD, p["wq"], ("heads", "head_dim"))
-    k_BTKH = einsum_2d_for_xla_cpu(h_BTD, p["wk"], ("kv_heads", "head_dim"))
-    v_BTKH = einsum_2d_for_xla_cpu(h_BTD, p["wv"], ("kv_heads", "head_dim"))
+    q_BTNH = matmul("btd,dnh->btnh", h_BTD, p["wq"], out=("heads", "head_dim"))
+    k_BTKH = matmul("btd,dkh->btkh", h_BTD, p["wk"], out=("kv_heads", "head_dim"))
+    v_BTKH = matmul("btd,dkh->btkh", h_BTD, p["wv"], out=("kv_heads", "head_dim"))
     if cfg.qk_norm:  # NOTE: before RoPE, per head over head_dim, as in Qwen3 (Marin's fix)
         q_BTNH = rms_norm(q_BTNH, p["q_norm"], cfg.norm_eps)
         k_BTKH = rms_norm(k_BTKH, p["k_norm"], cfg.norm_eps)
@@ -427,28 +341,27 @@ def attention(x_BTD, p, cfg: ModelConfig, head_stats: bool = False):
 
 
 def output_projection(out_BTNH, h_BTD, p, cfg: ModelConfig):
-    """The heads' outputs through the attention gate, if on, and the output projection: the
-    training forward and the cached decode both call this. The gate is computed from the
-    block's normed input `h` (ModelConfig.attn_gate)."""
+    """The heads' outputs through the attention gate (if on; from the block's normed input h)
+    and the output projection. The training forward and the cached decode both call this."""
     if cfg.attn_gate != "none":
         gate = attention_gate(h_BTD, p, cfg)
         out_BTNH = out_BTNH * (gate[..., None] if cfg.attn_gate == "headwise" else gate)
-    return einsum_2d_for_xla_cpu(out_BTNH, p["wo"], ("act_embed",))
+    return matmul("btnh,nhd->btd", out_BTNH, p["wo"], out=("act_embed",))
 
 
 def attention_gate(h_BTD, p, cfg: ModelConfig):
     """The gate's value from the block's normed input: [B, T, N] headwise, [B, T, N, H]
     elementwise; Marin's form 2 * sigmoid (1 at its zero init), Qwen's sigmoid."""
     headwise = cfg.attn_gate == "headwise"
-    z = einsum_2d_for_xla_cpu(h_BTD, p["w_attn_gate"],
-                              ("heads",) if headwise else ("heads", "head_dim"))
+    z = matmul("btd,dn->btn", h_BTD, p["w_attn_gate"], out=("heads",)) if headwise else \
+        matmul("btd,dnh->btnh", h_BTD, p["w_attn_gate"], out=("heads", "head_dim"))
     return jax.nn.sigmoid(z) * (2 if cfg.attn_gate_form == "marin" else 1)
 
 
 def mlp(x_BTD, p):
-    gate_BTF = einsum_2d_for_xla_cpu(x_BTD, p["w_gate"], ("ffw",))
-    up_BTF = einsum_2d_for_xla_cpu(x_BTD, p["w_up"], ("ffw",))
-    return einsum_2d_for_xla_cpu(jax.nn.silu(gate_BTF) * up_BTF, p["w_down"], ("act_embed",))
+    gate_BTF = matmul("btd,df->btf", x_BTD, p["w_gate"], out=("ffw",))
+    up_BTF = matmul("btd,df->btf", x_BTD, p["w_up"], out=("ffw",))
+    return matmul("btf,fd->btd", jax.nn.silu(gate_BTF) * up_BTF, p["w_down"], out=("act_embed",))
 
 
 def scaled_embedding(x_BTD, cfg: ModelConfig):
@@ -486,14 +399,11 @@ def forward(params: dict, tokens_BT, cfg: ModelConfig, head_stats: bool = False)
 
 
 def loss_fn(params: dict, tokens_BT1, cfg: ModelConfig, head_stats: bool = False):
-    """Next-token cross-entropy plus z-loss over a [B, T+1] token batch.
-
-    z-loss, weight * logsumexp(logits)**2, keeps the output logits from drifting (PaLM; Marin
-    1e-4, OLMo 2 1e-5). Returns (loss, aux) with aux = {ce, z_loss, attn_logit_max [L],
-    out_logit_max, log_z} (and attn_logit_max_per_head [L, N] with `head_stats`): the largest
-    |output logit| and the mean log-normaliser, where the output-logit divergence shows
-    (Wortsman et al., 2309.14322, §3.2: without z-loss log Z drifts far from 0).
-    """
+    """Next-token cross-entropy plus z-loss, weight * logsumexp(logits)**2, which keeps the
+    output logits from drifting (PaLM; Marin 1e-4, OLMo 2 1e-5), over a [B, T+1] batch.
+    Returns (loss, aux): ce, z_loss, attn_logit_max [L] (and per head [L, N] with
+    `head_stats`), out_logit_max and log_z, the mean log-normaliser (Wortsman et al. §3.2:
+    without z-loss log Z drifts far from 0)."""
     inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
     logits_BTV, stats = forward(params, inputs_BT, cfg, head_stats)
     lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
@@ -502,3 +412,54 @@ def loss_fn(params: dict, tokens_BT1, cfg: ModelConfig, head_stats: bool = False
     z_loss = cfg.z_loss_weight * jnp.mean(lse_BT**2)
     return ce + z_loss, {"ce": ce, "z_loss": z_loss, **stats, "log_z": jnp.mean(lse_BT),
                          "out_logit_max": jnp.max(jnp.abs(logits_BTV))}
+
+
+# ---------------------------------------------------------------------------------------------
+# Beyond the card: muP (Tensor Programs V, arXiv 2203.03466) as microsoft/mup does it for Adam
+
+def width_config(cfg: ModelConfig, d_model: int) -> ModelConfig:
+    """The model at another width, standard: d_ff and the heads in proportion, H kept."""
+    def scaled(n: int, what: str) -> int:
+        if (n * d_model) % cfg.d_model:
+            raise ValueError(f"model.mup_base_width {d_model}: {what} {n} at d_model "
+                             f"{cfg.d_model} does not scale to a whole number; pick a base "
+                             "width that divides it")
+        return n * d_model // cfg.d_model
+    return dataclasses.replace(
+        cfg, param="standard", d_model=d_model, d_ff=round(cfg.d_ff * d_model / cfg.d_model),
+        n_heads=scaled(cfg.n_heads, "n_heads"), n_kv_heads=scaled(cfg.n_kv_heads, "n_kv_heads"))
+
+
+def mup_scales(cfg: ModelConfig) -> dict[str, tuple[float, float]]:
+    """muP for Adam as microsoft/mup derives it, from the parameter table: {name: (init
+    multiplier, LR multiplier)}, all 1 for the standard parametrisation. A dimension is
+    "infinite" where the base model and one twice as wide differ. A weight infinite in both
+    fan-in and fan-out is matrix-like (MuAdam's `ninf() == 2`): with m its fan-in over the
+    base's, init std times m^-1/2 and Adam LR times 1/m. The rest is vector-like, as standard
+    (the readout's input times output_mult instead, MuReadout). muP's attention scale 1/H,
+    with mup's factor sqrt(H_base), is 1/sqrt(H) here: the head dimension is kept."""
+    table = param_table(cfg)
+    if cfg.param != "mup":
+        return {name: (1.0, 1.0) for name in table}
+    base, delta = (param_table(width_config(cfg, w))
+                   for w in (cfg.mup_base_width, 2 * cfg.mup_base_width))
+    out = {}
+    for name, spec in table.items():
+        inf = {d for d, a in enumerate(spec.axes)
+               if a != "layers" and base[name].shape[d] != delta[name].shape[d]}
+        fan_out = {d for d, a in enumerate(spec.axes) if a != "layers"} - set(spec.fan_in)
+        if spec.fan_in and inf & set(spec.fan_in) and inf & fan_out:
+            m = (math.prod(spec.shape[d] for d in spec.fan_in)
+                 / math.prod(base[name].shape[d] for d in spec.fan_in))
+            out[name] = (m ** -0.5, 1 / m)
+        else:
+            out[name] = (1.0, 1.0)
+    return out
+
+
+def lr_multipliers(cfg: ModelConfig) -> dict | None:
+    """The Adam LR multiplier of every parameter (a params-shaped pytree), None if all are 1."""
+    scales = mup_scales(cfg)
+    if all(lr == 1.0 for _, lr in scales.values()):
+        return None
+    return _nest({name: lr for name, (_, lr) in scales.items()})

@@ -17,13 +17,11 @@ back:
                 update clipping))),              # optional: rolling norm | per-tensor RMS
       scale_by_schedule_at_step(schedule)))]     # x -schedule(global step)
 
-NOTE: the schedule is read at the global step the trainer passes in, never at a count kept in
-the optimizer state (OLMo-core's scheduler, too, is driven by the trainer's step): a skipped or
-refused step rolls its inner state back, and the LR must not be rolled back with it.
+NOTE: the schedule reads the global step the trainer passes in (as OLMo-core's), never a count
+in the optimizer state: a skipped step rolls its inner state back, and the LR must not follow.
 
-Each piece is an optax transformation someone could drop into their own chain, and keeps what it
-reports in a small metrics NamedTuple in its state. Everything is decided inside jit with
-`jnp.where`: no host round trip, no recompilation.
+Each piece is an optax transformation (drop it into your own chain) that keeps what it reports
+in a metrics NamedTuple in its state, and decides inside jit with `jnp.where`.
 """
 
 import dataclasses
@@ -39,8 +37,7 @@ from jax import P
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     optimizer: Literal["adamw", "muon"] = "adamw"
-    # Muon as Levanter / Marin (levanter optim/muon.py) and Keller Jordan's Muon run it: the
-    # hidden matrices on Muon, the embedding, the LM head and the vectors on AdamW.
+    # Muon: the hidden matrices on Muon, the rest on AdamW (Levanter's and K. Jordan's split)
     muon_momentum: float = 0.95  # Muon's Nesterov momentum (Keller Jordan's, Levanter's 0.95)
     muon_head: bool = False  # orthogonalise the LM head too (the variant run before)
     lr: float = 3e-3  # peak learning rate (Marin 32B: 7e-4)
@@ -49,9 +46,8 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.05  # Marin 32B
     max_grad_norm: float = 1.0  # Marin tightened 1.0 -> 0.2 at ~56k; 0 turns clipping off
-    # "norm": clip the global grad norm at max_grad_norm; "zclip": ZClip (arXiv 2504.02507),
-    # clip a grad norm whose z-score over an EMA of past norms exceeds zclip_z (max_grad_norm
-    # stays the hard cap)
+    # "norm": clip the global grad norm at max_grad_norm; "zclip": ZClip, clip a norm whose
+    # z-score over an EMA of past norms exceeds zclip_z (max_grad_norm the hard cap)
     grad_clip: Literal["norm", "zclip"] = "norm"
     zclip_alpha: float = 0.97  # ZClip's EMA factor of the grad norm's mean and variance
     zclip_z: float = 2.5  # ZClip's z-score above which a grad norm is clipped (its default)
@@ -71,9 +67,8 @@ class OptimConfig:
     update_clip_window: int = 128  # rolling update-norm clip (Levanter clip_update_norm)
     update_clip_sigma: float = 2.0  # Marin used 2.0 (Levanter's default is 3.0)
     update_rms_threshold: float = 1.0  # per-tensor RMS clip (Levanter update_rms_clipping)
-    # QK-Clip (Kimi K2, arXiv 2507.20534): after each applied step, rescale the q/k weights of
-    # every head whose signed max attention logit exceeded this (K2: 100); 0 = off. A resume
-    # may switch it on (the rescue with no new parameters).
+    # QK-Clip (Kimi K2): rescale the q/k weights of each head whose signed max logit exceeded
+    # this (K2: 100); 0 = off. A resume may switch it on (a rescue with no new parameters).
     qk_clip: float = 0.0
     qk_clip_start: int = 0  # the step QK-Clip acts from (train.py records a resume's switch)
 
@@ -102,11 +97,11 @@ class OptimConfig:
 
 def lr_schedule(cfg: OptimConfig, total_steps: int):
     """Linear warmup -> hold -> decay (cosine or linear) over the last `decay_fraction` of the
-    steps after warmup, to `min_lr_ratio` * peak (as Levanter: the decay never starts before
-    warmup ends, so the schedule is continuous there); then, if `rewarmup_start` >= 0, a
-    re-warmup: from that step, over `rewarmup_steps`, linearly from `rewarmup_from_ratio` * peak
-    up to the base schedule (the peak while it holds, as for Marin's 32B at step 80,000), then
-    the base schedule on. A function of the global step: it advances on skipped steps too."""
+    steps after warmup, to `min_lr_ratio` * peak (as Levanter: continuous where warmup ends);
+    then, if `rewarmup_start` >= 0, a re-warmup from that step over `rewarmup_steps`, linearly
+    from `rewarmup_from_ratio` * peak up to the base schedule (Marin's 32B at step 80,000).
+    A function of the global step: it advances on skipped steps too. NOTE: step 0's LR is
+    peak / warmup_steps (nanoGPT's convention; Levanter's and optax's start at 0)."""
     peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
     after_warmup = max(total_steps - cfg.warmup_steps, 0)
     decay_steps = max(int(round(after_warmup * cfg.decay_fraction)), 1)
@@ -133,8 +128,8 @@ def lr_schedule(cfg: OptimConfig, total_steps: int):
 
 
 # ---------------------------------------------------------------------------------------------
-# Rolling statistics shared by skip-step and the update-norm clip: a ring buffer of `window`
-# values and a count of how many were ever recorded.
+# Rolling statistics (skip-step, the update-norm clip): a ring buffer of `window` values, and a
+# count of how many were ever recorded.
 
 def _history_threshold(history, count, sigma, ddof: int = 1, floor: float = 0.0):
     """mean + sigma * max(std, floor) of the recorded entries (by default the sample std, ddof
@@ -200,9 +195,7 @@ class NonfiniteState(NamedTuple):
 
 def refuse_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
     """A step whose loss, gradient or update is non-finite applies nothing: a zero update, and
-    `inner`'s state (Adam moments and count, skip and clip histories, their metrics) kept
-    exactly as it was. Always on: a NaN step is never applied. Needs the loss:
-    `tx.update(grads, state, params, loss=loss)`."""
+    `inner`'s state (moments, count, histories, metrics) kept exactly. Always on."""
     inner = optax.with_extra_args_support(inner)
 
     def init(params):
@@ -238,37 +231,14 @@ class SkipStepState(NamedTuple):
 def skip_step(inner: optax.GradientTransformation, window: int = 128, sigma: float = 6.0,
               patience: int = 32) -> optax.GradientTransformationExtraArgs:
     """OLMo-2-style outlier skipping around a whole optimizer (OLMo-core `SkipStepAdamW`,
-    Levanter `skip_bad_steps`).
-
-    Keeps the last `window` losses and pre-clip global grad norms. Once `window // 2` are recorded,
-    a step whose loss or grad norm exceeds mean + sigma * std of that history is skipped: a zero
-    update, and `inner`'s state (Adam moments, Adam count, clip histories) kept exactly as it was.
-    Non-finite steps are the job of `refuse_nonfinite`, which make_optimizer puts around this.
-
-    Where this differs from the anchors, and why:
-    - A skipped outlier never enters the history. OLMo-core and Levanter record the raw value,
-      so one +8-nat batch inflates the std for a whole window and blinds the rule: a later
-      +2-nat poisoned batch slips under the raised threshold and is applied. (Recorded clipped
-      to the threshold instead, each skip still raises it under a short window: 4.2 -> 9.5
-      nats after three junk batches at window 16.)
-    - A non-finite value is not recorded at all. The anchors record it: measured from outside
-      on their code, OLMo-core's and Levanter's rules then skip every step for the next 129.
-    - It is fed the loss the step minimises, CE + z-loss (OLMo-core feeds the CE alone; with
-      z-loss 1e-4 the two differ by ~1e-3 nats here).
-
-    Its misses and false positives, measured on a planted series (test_all.py): a loss falling
-    from 5.5 to 2.0 nats (e-fold 150 steps, noise 0.05) with 40 junk batches of +1.3 nats at
-    random steps of 2,000, window 128, 6 sigma: no clean step skipped; the 15 junk batches up
-    to step 524 all applied (while the loss falls fast its trend inflates the window's std, and
-    each junk batch applied joins the history and raises the bar for the next), the 25 after
-    all skipped. On a real run's first steps, where the loss can bump, clean steps are skipped
-    too (seen: steps 25, 64 and 65 of a tiny run, while a +1.3-nat junk row passed at 85).
-    - After `patience` outlier skips in a row the rule concludes that the loss has settled at
-      a new level (e.g. a new data mixture): that step is applied and the history starts over
-      from it (re-armed after window // 2 new steps), so a run never stalls.
-
-    Needs the loss: `tx.update(grads, state, params, loss=loss)`.
-    """
+    Levanter `skip_bad_steps`): once `window // 2` losses and pre-clip grad norms are recorded,
+    a step whose loss or grad norm is above mean + sigma * std of the last `window` is skipped:
+    a zero update, `inner`'s state kept exactly. After `patience` skips in a row the loss has
+    settled at a new level: that step is applied and the history starts over. Unlike theirs,
+    a skipped outlier or a non-finite value never enters the history (theirs then raise the bar
+    for a window, or skip the next 129 steps), and the loss read is CE + z-loss (OLMo-core:
+    CE). NOTE: while the loss falls fast its trend inflates the std and junk batches pass:
+    test_skip_step_misses_junk_batches_* measures it. Needs `tx.update(..., loss=loss)`."""
     def init(params):
         z = jnp.zeros((window,), jnp.float32)
         i0 = jnp.zeros((), jnp.int32)
@@ -302,7 +272,178 @@ def skip_step(inner: optax.GradientTransformation, window: int = 128, sigma: flo
 
 
 # ---------------------------------------------------------------------------------------------
-# ZClip (optional, instead of the fixed global-norm clip)
+# Update clipping (optional), two kinds
+
+class UpdateNormClipState(NamedTuple):
+    history: jax.Array  # [window] unclipped update norms
+    count: jax.Array
+    metrics: UpdateClipMetrics
+
+
+class UpdateRmsClipState(NamedTuple):  # (stateless but for its metrics)
+    metrics: UpdateClipMetrics
+
+
+def clip_update_norm(window: int = 128, sigma: float = 2.0) -> optax.GradientTransformation:
+    """Rolling update-norm clip (Levanter `clip_update_norm`; Marin: window 128, sigma 2.0):
+    the global update scaled down to mean + sigma * std of the last `window` unclipped update
+    norms, once `window // 2` are recorded (non-finite ones never are). Levanter's std: the
+    population std floored at 1e-6 (skip-step's sample std would sit 0.2-0.3% higher)."""
+    def init(params):
+        return UpdateNormClipState(jnp.zeros((window,), jnp.float32), jnp.zeros((), jnp.int32),
+                                   _zeros(UpdateClipMetrics))
+
+    def update(updates, state, params=None):
+        norm = optax.tree.norm(updates)
+        threshold = _history_threshold(state.history, state.count, sigma, ddof=0, floor=1e-6)
+        scale = jnp.minimum(1.0, threshold / jnp.maximum(norm, 1e-30))
+        updates = jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates)
+        history, count = _record(state.history, state.count, norm, jnp.isfinite(norm))
+        return updates, UpdateNormClipState(history, count,
+                                            UpdateClipMetrics(norm, norm * scale, threshold))
+    return optax.GradientTransformation(init, update)
+
+
+def clip_update_rms(threshold: float = 1.0, stacked=lambda path: False
+                    ) -> optax.GradientTransformation:
+    """Per-tensor update-RMS clip (Levanter `update_rms_clipping`): u / max(1, rms(u) / thr),
+    per layer for the leaves `stacked(path)` says hold stacked layers, as Levanter does."""
+    def clip(path, u):
+        axes = tuple(range(1, u.ndim)) if stacked(path) and u.ndim > 1 else None
+        rms = jnp.sqrt(jnp.mean(jnp.square(u.astype(jnp.float32)), axis=axes, keepdims=True))
+        return (u / jnp.maximum(1.0, rms / threshold)).astype(u.dtype)
+
+    def update(updates, state, params=None):
+        before = optax.tree.norm(updates)
+        updates = jax.tree_util.tree_map_with_path(clip, updates)
+        return updates, UpdateRmsClipState(UpdateClipMetrics(
+            before, optax.tree.norm(updates), jnp.asarray(threshold, jnp.float32)))
+    return optax.GradientTransformation(lambda _: UpdateRmsClipState(_zeros(UpdateClipMetrics)),
+                                        update)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole optimizer: the chain in the docstring at the top
+
+def is_stacked(path) -> bool:
+    """Leaves under params["layers"] carry a leading layer axis (see model.py)."""
+    return any(getattr(k, "key", None) == "layers" for k in path)
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int, decay_mask, matrix_dims=None,
+                   head_axes=None, lr_mults=None) -> optax.GradientTransformationExtraArgs:
+    """The optimizer of `cfg`, laid out by the model's parameter table: model.decay_mask,
+    matrix_dims (Muon), head_axes (QK-Clip), lr_multipliers (muP: Adam's direction times each
+    parameter's multiplier, before weight decay, so every other piece acts as without it)."""
+    schedule = lr_schedule(cfg, total_steps)
+    direction = optax.scale_by_adam(cfg.b1, cfg.b2, cfg.eps) if cfg.optimizer == "adamw" \
+        else muon_with_adam(cfg, decay_mask, matrix_dims)
+    grad_clip = optax.clip_by_global_norm(cfg.max_grad_norm) if cfg.max_grad_norm > 0 \
+        else optax.identity()
+    if cfg.grad_clip == "zclip":
+        grad_clip = zclip(cfg.zclip_alpha, cfg.zclip_z, cfg.zclip_warmup, cfg.max_grad_norm)
+    update_clip = {"norm": [clip_update_norm(cfg.update_clip_window, cfg.update_clip_sigma)],
+                   "rms": [clip_update_rms(cfg.update_rms_threshold, stacked=is_stacked)],
+                   "off": []}[cfg.update_clip]
+    inner = optax.chain(
+        grad_clip,
+        direction,
+        *([scale_per_leaf(lr_mults)] if lr_mults is not None else []),
+        optax.add_decayed_weights(cfg.weight_decay, decay_mask),
+        *update_clip,
+    )
+    if cfg.skip_step:
+        inner = skip_step(inner, cfg.skip_window, cfg.skip_sigma, patience=cfg.skip_patience)
+    tx = optax.chain(refuse_nonfinite(inner), scale_by_schedule_at_step(schedule))
+    return qk_clip(tx, cfg.qk_clip, cfg.qk_clip_start, head_axes) if cfg.qk_clip > 0 else tx
+
+
+def scale_per_leaf(mults) -> optax.GradientTransformation:
+    """Each update times its parameter's multiplier: muP's per-parameter Adam LR (MuAdam)."""
+    def update(updates, state, params=None):
+        return jax.tree.map(lambda u, m: u * jnp.asarray(m, u.dtype), updates, mults), state
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def scale_by_schedule_at_step(schedule) -> optax.GradientTransformationExtraArgs:
+    """The updates times -schedule(step), at the global step the trainer passes (`step=`):
+    stateless, so nothing (a skip, a warm start) holds it back. optax.scale_by_learning_rate's
+    arithmetic."""
+    def update(updates, state, params=None, *, step, **extra):
+        lr = schedule(step)
+        return jax.tree.map(lambda u: jnp.array(-lr, dtype=u.dtype) * u, updates), state
+    return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update)
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics: what the chain saw, read from its state
+
+def _metrics_by_type(opt_state) -> dict:
+    return {type(m): m for m in jax.tree.leaves(
+        opt_state, is_leaf=lambda x: isinstance(x, METRICS)) if isinstance(m, METRICS)}
+
+
+def opt_metrics(opt_state, max_grad_norm: float = 0.0) -> dict:
+    """What the optimizer saw on its last step: each transformation's metrics, found by type
+    wherever the chain keeps them; nothing recomputed. A step that applied nothing reports
+    update norms of 0. `max_grad_norm`: the clip (0 = none)."""
+    found = _metrics_by_type(opt_state)
+    if NonfiniteMetrics not in found:  # an optimizer built elsewhere (bench/bench.py's plain AdamW)
+        return {}
+    guard = found[NonfiniteMetrics]
+    skipped = guard.refused
+    out = {"grad_norm": guard.grad_norm,
+           "grad_norm_clipped": (jnp.minimum(guard.grad_norm, max_grad_norm) if max_grad_norm > 0
+                                 else guard.grad_norm),
+           "update_norm": guard.update_norm, "update_norm_clipped": guard.update_norm}
+    if OutlierMetrics in found:
+        o = found[OutlierMetrics]
+        skipped = skipped | o.skipped
+        out |= {"skip_loss_threshold": o.loss_threshold,
+                "skip_grad_norm_threshold": o.grad_norm_threshold}
+    if GradClipMetrics in found:  # ZClip: what it clipped to
+        g = found[GradClipMetrics]
+        out |= {"grad_norm_clipped": jnp.where(guard.refused, guard.grad_norm, g.norm_after),
+                "grad_clip_threshold": g.threshold}
+    if UpdateClipMetrics in found:
+        c = found[UpdateClipMetrics]
+        out |= {"update_norm": jnp.where(skipped, 0.0, c.norm_before),
+                "update_clip_threshold": c.threshold}
+    return out | {"skipped": skipped.astype(jnp.int32)}
+
+
+def per_layer_norms(tree: dict) -> jax.Array:
+    """[L] L2 norms over the stacked per-layer leaves of a params-shaped tree."""
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=tuple(range(1, x.ndim)))
+                        for x in jax.tree.leaves(tree["layers"])))
+
+
+def per_layer_metrics(params, grads, updates, opt_state, spectral: bool = False) -> dict:
+    """[L] per-layer norms of what moves before a spike (Marin: the update spikes first, in
+    the lower layers): gradients, updates (and over the weights), q/k weights, Adam's moments
+    and the RMS of m / sqrt(v) (Marin #1368), read from the optimizer state; with `spectral`,
+    the q/k weights' spectral entropy."""
+    out = {"grad_norm_per_layer": per_layer_norms(grads),
+           "update_norm_per_layer": per_layer_norms(updates)}
+    out["update_ratio_per_layer"] = out["update_norm_per_layer"] / per_layer_norms(params)
+    out |= {f"{w}_norm": per_layer_norms({"layers": {w: params["layers"][w]}})
+            for w in ("wq", "wk")}
+    adam = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
+        x, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState)]
+    if adam and jax.tree.leaves(adam[0].mu.get("layers", {})):  # (Muon: Adam has the norms)
+        mu, nu = adam[0].mu, adam[0].nu
+        out["adam_mu_norm_per_layer"] = per_layer_norms(mu)
+        out["adam_nu_norm_per_layer"] = per_layer_norms(nu)
+        ratio = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + 1e-8), mu, nu)
+        count = sum(x[0].size for x in jax.tree.leaves(mu["layers"]))
+        out["adam_ratio_rms_per_layer"] = per_layer_norms(ratio) / math.sqrt(count)
+    if spectral:
+        out |= {f"{w}_entropy": spectral_entropy(params["layers"][w]) for w in ("wq", "wk")}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Beyond the card: ZClip (Kundu et al., arXiv 2504.02507), instead of the fixed clip
 
 class ZClipState(NamedTuple):
     warmup_norms: jax.Array  # [warmup] the first grad norms, from which the EMA starts
@@ -314,16 +455,12 @@ class ZClipState(NamedTuple):
 
 def zclip(alpha: float = 0.97, z_thresh: float = 2.5, warmup: int = 25, max_norm: float = 1.0,
           eps: float = 1e-6) -> optax.GradientTransformation:
-    """ZClip (Kundu et al., arXiv 2504.02507; bluorion-com/ZClip, its defaults and its
-    "zscore" mode with "adaptive_scaling"): the first `warmup` grad norms are only clipped at
-    `max_norm` and collected; the EMA's mean and (population) variance start from them. Then
-    a norm g whose z = (g - mean) / (std + eps) exceeds z_thresh is clipped to
-    mean + z_thresh * std / (z / z_thresh) (the larger the outlier, the harder the clip), and
-    never above `max_norm` (0: no cap). The EMA takes the clipped value: mean <- a*mean +
-    (1-a)*c, then var <- a*var + (1-a)*(c - mean)^2 with the new mean, as the reference does.
-    NOTE: so ZClip never adopts a new level: a grad norm that rises 1.8x and stays there is
-    clipped for as long as it lasts (its EMA is fed the clipped value, which rises only by the
-    z_thresh * std allowance each step)."""
+    """ZClip (bluorion-com/ZClip's "zscore" mode with "adaptive_scaling", its defaults): the
+    first `warmup` grad norms are only capped at `max_norm` (0: no cap), and start the EMA's
+    mean and population variance. Then a norm g with z = (g - mean) / (std + eps) > z_thresh
+    is clipped to mean + z_thresh * std / (z / z_thresh): the larger the outlier, the harder
+    the clip. The EMA takes the clipped value, as the reference does. NOTE: so it never adopts
+    a new level: a grad norm that rises 1.8x and stays there is clipped for as long as it lasts."""
     cap = max_norm if max_norm > 0 else jnp.inf
 
     def init(params):
@@ -357,128 +494,18 @@ def zclip(alpha: float = 0.97, z_thresh: float = 2.5, warmup: int = 25, max_norm
 
 
 # ---------------------------------------------------------------------------------------------
-# Update clipping (optional), two kinds
-
-class UpdateNormClipState(NamedTuple):
-    history: jax.Array  # [window] unclipped update norms
-    count: jax.Array
-    metrics: UpdateClipMetrics
-
-
-class UpdateRmsClipState(NamedTuple):
-    metrics: UpdateClipMetrics
-
-
-def clip_update_norm(window: int = 128, sigma: float = 2.0) -> optax.GradientTransformation:
-    """Rolling update-norm clip (Levanter `clip_update_norm`; Marin: window 128, sigma 2.0).
-
-    Scales the global update down to mean + sigma * std of the last `window` update norms, once
-    `window // 2` are recorded; the *unclipped* norm goes into the history. Non-finite norms are
-    not recorded. The std is Levanter's: the population std (ddof 0) floored at 1e-6 (the
-    sample std of skip-step would put the threshold 0.2-0.3% higher)."""
-    def init(params):
-        return UpdateNormClipState(jnp.zeros((window,), jnp.float32), jnp.zeros((), jnp.int32),
-                                   _zeros(UpdateClipMetrics))
-
-    def update(updates, state, params=None):
-        norm = optax.tree.norm(updates)
-        threshold = _history_threshold(state.history, state.count, sigma, ddof=0, floor=1e-6)
-        scale = jnp.minimum(1.0, threshold / jnp.maximum(norm, 1e-30))
-        updates = jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates)
-        history, count = _record(state.history, state.count, norm, jnp.isfinite(norm))
-        return updates, UpdateNormClipState(history, count,
-                                            UpdateClipMetrics(norm, norm * scale, threshold))
-    return optax.GradientTransformation(init, update)
-
-
-def clip_update_rms(threshold: float = 1.0, stacked=lambda path: False
-                    ) -> optax.GradientTransformation:
-    """Per-tensor update-RMS clip (Levanter `update_rms_clipping`): u / max(1, rms(u) / thr).
-
-    `stacked(path)` says which leaves hold stacked layers along axis 0; for those the RMS is
-    taken per layer, as Levanter does."""
-    def clip(path, u):
-        axes = tuple(range(1, u.ndim)) if stacked(path) and u.ndim > 1 else None
-        rms = jnp.sqrt(jnp.mean(jnp.square(u.astype(jnp.float32)), axis=axes, keepdims=True))
-        return (u / jnp.maximum(1.0, rms / threshold)).astype(u.dtype)
-
-    def update(updates, state, params=None):
-        before = optax.tree.norm(updates)
-        updates = jax.tree_util.tree_map_with_path(clip, updates)
-        return updates, UpdateRmsClipState(UpdateClipMetrics(
-            before, optax.tree.norm(updates), jnp.asarray(threshold, jnp.float32)))
-    return optax.GradientTransformation(lambda _: UpdateRmsClipState(_zeros(UpdateClipMetrics)),
-                                        update)
-
-
-# ---------------------------------------------------------------------------------------------
-# The whole optimizer
-
-def is_stacked(path) -> bool:
-    """Leaves under params["layers"] carry a leading layer axis (see model.py)."""
-    return any(getattr(k, "key", None) == "layers" for k in path)
-
-
-def make_optimizer(cfg: OptimConfig, total_steps: int, decay_mask, matrix_dims=None,
-                   head_axes=None, lr_mults=None) -> optax.GradientTransformationExtraArgs:
-    """The optimizer of `cfg`. The model's layout comes from its parameter table
-    (model.decay_mask, model.matrix_dims for Muon, model.head_axes for QK-Clip,
-    model.lr_multipliers for muP: Adam's direction times each parameter's multiplier, before
-    weight decay, so that skip-step, clipping and the schedule act as they do without it)."""
-    schedule = lr_schedule(cfg, total_steps)
-    if cfg.optimizer == "adamw":
-        direction = optax.scale_by_adam(cfg.b1, cfg.b2, cfg.eps)
-    else:
-        direction = muon_with_adam(cfg, decay_mask, matrix_dims)
-    if cfg.grad_clip == "zclip":
-        grad_clip = zclip(cfg.zclip_alpha, cfg.zclip_z, cfg.zclip_warmup, cfg.max_grad_norm)
-    elif cfg.max_grad_norm > 0:
-        grad_clip = optax.clip_by_global_norm(cfg.max_grad_norm)
-    else:
-        grad_clip = optax.identity()
-    update_clip = {"norm": [clip_update_norm(cfg.update_clip_window, cfg.update_clip_sigma)],
-                   "rms": [clip_update_rms(cfg.update_rms_threshold, stacked=is_stacked)],
-                   "off": []}[cfg.update_clip]
-    inner = optax.chain(
-        grad_clip,
-        direction,
-        *([scale_per_leaf(lr_mults)] if lr_mults is not None else []),
-        optax.add_decayed_weights(cfg.weight_decay, decay_mask),
-        *update_clip,
-    )
-    if cfg.skip_step:
-        inner = skip_step(inner, cfg.skip_window, cfg.skip_sigma, patience=cfg.skip_patience)
-    tx = optax.chain(refuse_nonfinite(inner), scale_by_schedule_at_step(schedule))
-    return qk_clip(tx, cfg.qk_clip, cfg.qk_clip_start, head_axes) if cfg.qk_clip > 0 else tx
-
-
-def scale_per_leaf(mults) -> optax.GradientTransformation:
-    """Each update times its parameter's multiplier (a pytree of floats shaped as the
-    params): muP's per-parameter Adam LR (MuAdam's param groups), inside the chain."""
-    def update(updates, state, params=None):
-        return jax.tree.map(lambda u, m: u * jnp.asarray(m, u.dtype), updates, mults), state
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
-
+# Beyond the card: QK-Clip (Kimi K2, arXiv 2507.20534) around the whole optimizer
 
 def qk_clip(inner: optax.GradientTransformation, tau: float, start: int = 0,
             head_axes=None) -> optax.GradientTransformationExtraArgs:
-    """QK-Clip (Kimi K2, arXiv 2507.20534, MuonClip) around the whole optimizer: after an
-    applied step from `start` on, every attention head whose max pre-softmax logit on the
-    step's batch, S (the signed max, as K2's Alg. 1, MaxText and Megatron-LM take it:
-    `attn_logit_max_per_head` [L, N], passed to update), exceeded tau has its query and key
-    weights rescaled so that the same batch's max logit would be tau: gamma = min(1, tau / S).
-    The update becomes (W + u) * s - W on that head's slice. No factor ever exceeds 1.
-
-    Multi-head attention (one key head per query head): K2's rule, W_q and W_k of the head each
-    by sqrt(gamma). Grouped-query attention: a key head serves G query heads, so each query
-    head's W_q takes its own gamma and the shared W_k is left as it is (the same logits as K2's
-    rule for every head, as K2 leaves its shared rotary key alone; Megatron-LM instead scales
-    the whole group by the group's gamma, clipping heads that did not exceed tau).
-
-    Stateless: the state is `inner`'s, so switching it on mid-run adds nothing to a
-    checkpoint. A step that applied nothing (refused or skipped) clips nothing. QK-Norm
-    normalises the scale of q and k away, so the two are not combined (config.py refuses it).
-    `head_axes`: the head dim of wq and wk (model.head_axes; default model.py's layout, 2)."""
+    """QK-Clip (Kimi K2's MuonClip): after an applied step from `start` on, each head whose
+    signed max logit S on the step's batch (`attn_logit_max_per_head` [L, N], as K2's Alg. 1
+    takes it) exceeded tau has its q and k weights rescaled so that the batch's max logit would
+    be tau: gamma = min(1, tau / S); the update becomes (W + u) * s - W on that head's slice.
+    Multi-head: sqrt(gamma) on W_q and W_k (K2). Grouped-query: each query head's W_q takes its
+    own gamma and the shared W_k none (K2 leaves its shared rotary key alone; Megatron-LM
+    scales the whole group by the group's gamma). Stateless, so a resume may switch it on. A
+    step that applied nothing clips nothing. `head_axes`: wq's and wk's head dim (default 2)."""
     axes = head_axes or {"wq": 2, "wk": 2}
 
     def update(updates, state, params=None, *, attn_logit_max_per_head, step, **extra):
@@ -509,24 +536,15 @@ def qk_clip(inner: optax.GradientTransformation, tau: float, start: int = 0,
     return optax.GradientTransformationExtraArgs(inner.init, update)
 
 
-def scale_by_schedule_at_step(schedule) -> optax.GradientTransformationExtraArgs:
-    """Multiply the updates by -schedule(step), `step` being the global step the trainer passes
-    to `tx.update(..., step=step)`. Stateless, so nothing (a skipped step, a warm start) can
-    hold it back. The arithmetic is optax.scale_by_learning_rate's."""
-    def update(updates, state, params=None, *, step, **extra):
-        lr = schedule(step)
-        return jax.tree.map(lambda u: jnp.array(-lr, dtype=u.dtype) * u, updates), state
-    return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update)
-
+# ---------------------------------------------------------------------------------------------
+# Beyond the card: Muon (Jordan et al. 2024) for the hidden matrices
 
 def muon_with_adam(cfg: OptimConfig, decay_mask, matrix_dims) -> optax.GradientTransformation:
-    """Muon (orthogonalised momentum, Jordan et al. 2024) for the hidden weight matrices, Adam
-    for the rest (norms, embedding, and the LM head unless `muon_head`), as Levanter's and
-    Keller Jordan's Muon split them. Marin tried it on the 32B: "looked great until it
-    didn't".
-    Muon's update is rescaled by 0.2 * sqrt(max(fan_in, fan_out)) to Adam's typical update RMS
-    (Liu et al. 2025, "Muon is scalable"), so one learning rate serves both. `matrix_dims`:
-    {weight name: (input dims, output dims)} of the model's matrices (model.matrix_dims)."""
+    """Muon for the hidden matrices, Adam for the rest (norms, embedding, and the LM head
+    unless `muon_head`), as Levanter and Keller Jordan split them. Muon's update is rescaled by
+    0.2 * sqrt(max(fan_in, fan_out)) to Adam's update RMS (Liu et al. 2025, "Muon is
+    scalable"), so one LR serves both. `matrix_dims`: model.matrix_dims. Marin tried it on the
+    32B: "looked great until it didn't"."""
     if not matrix_dims:
         raise ValueError("Muon needs the model's matrix dims (model.matrix_dims)")
 
@@ -553,8 +571,7 @@ def muon_with_adam(cfg: OptimConfig, decay_mask, matrix_dims) -> optax.GradientT
 
 
 def on_whole_arrays(inner: optax.GradientTransformation) -> optax.GradientTransformation:
-    """Run `inner` on whole (replicated) arrays and hand back the shardings it was given:
-    Muon orthogonalises whole matrices, so under FSDP its input is all-gathered first."""
+    """`inner` on whole arrays (Muon orthogonalises whole matrices: all-gathered first)."""
     def whole(tree):
         return jax.tree.map(lambda x: jax.reshard(x, P()), tree)
 
@@ -567,82 +584,13 @@ def on_whole_arrays(inner: optax.GradientTransformation) -> optax.GradientTransf
     return optax.GradientTransformation(inner.init, update)
 
 
-def _metrics_by_type(opt_state) -> dict:
-    return {type(m): m for m in jax.tree.leaves(
-        opt_state, is_leaf=lambda x: isinstance(x, METRICS)) if isinstance(m, METRICS)}
-
-
-def opt_metrics(opt_state, max_grad_norm: float = 0.0) -> dict:
-    """What the optimizer saw on its last step, for the metrics: each transformation's metrics
-    NamedTuple, found by type wherever the chain keeps it; nothing recomputed. A step that
-    applied nothing (refused or skipped) left the inner states, their metrics included, as they
-    were: its update norms are reported as 0. `max_grad_norm`: the clip (0 = none)."""
-    found = _metrics_by_type(opt_state)
-    if NonfiniteMetrics not in found:  # an optimizer built elsewhere (bench/bench.py's plain AdamW)
-        return {}
-    guard = found[NonfiniteMetrics]
-    skipped = guard.refused
-    out = {"grad_norm": guard.grad_norm,
-           "grad_norm_clipped": (jnp.minimum(guard.grad_norm, max_grad_norm) if max_grad_norm > 0
-                                 else guard.grad_norm),
-           "update_norm": guard.update_norm, "update_norm_clipped": guard.update_norm}
-    if OutlierMetrics in found:
-        o = found[OutlierMetrics]
-        skipped = skipped | o.skipped
-        out |= {"skip_loss_threshold": o.loss_threshold,
-                "skip_grad_norm_threshold": o.grad_norm_threshold}
-    if GradClipMetrics in found:  # ZClip: what it clipped to
-        g = found[GradClipMetrics]
-        out |= {"grad_norm_clipped": jnp.where(guard.refused, guard.grad_norm, g.norm_after),
-                "grad_clip_threshold": g.threshold}
-    if UpdateClipMetrics in found:
-        c = found[UpdateClipMetrics]
-        out |= {"update_norm": jnp.where(skipped, 0.0, c.norm_before),
-                "update_clip_threshold": c.threshold}
-    return out | {"skipped": skipped.astype(jnp.int32)}
-
-
-def per_layer_norms(tree: dict) -> jax.Array:
-    """[L] L2 norms over the stacked per-layer leaves of a params-shaped tree."""
-    sq = [jnp.sum(jnp.square(x.astype(jnp.float32)), axis=tuple(range(1, x.ndim)))
-          for x in jax.tree.leaves(tree["layers"])]
-    return jnp.sqrt(sum(sq))
-
-
-def per_layer_metrics(params, grads, updates, opt_state, spectral: bool = False) -> dict:
-    """[L] per-layer norms of what moves before a spike (Marin: update spikes first, larger in
-    the lower layers; Adam's first moment doubled while the second stayed flat): gradients,
-    updates (and over the weights' norm), q/k weights, and Adam's moments, read from the
-    optimizer state (no recompute); the RMS of m / sqrt(v) over each layer's elements (Marin
-    #1368: the first moment outgrows sqrt(v) in the lower layers); with `spectral`, the q/k
-    weights' spectral entropy."""
-    out = {"grad_norm_per_layer": per_layer_norms(grads),
-           "update_norm_per_layer": per_layer_norms(updates)}
-    out["update_ratio_per_layer"] = out["update_norm_per_layer"] / per_layer_norms(params)
-    out |= {f"{w}_norm": per_layer_norms({"layers": {w: params["layers"][w]}})
-            for w in ("wq", "wk")}
-    adam = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
-        x, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState)]
-    if adam and jax.tree.leaves(adam[0].mu.get("layers", {})):  # (Muon: Adam has the norms)
-        mu, nu = adam[0].mu, adam[0].nu
-        out["adam_mu_norm_per_layer"] = per_layer_norms(mu)
-        out["adam_nu_norm_per_layer"] = per_layer_norms(nu)
-        ratio = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + 1e-8), mu, nu)
-        count = sum(x[0].size for x in jax.tree.leaves(mu["layers"]))
-        out["adam_ratio_rms_per_layer"] = per_layer_norms(ratio) / math.sqrt(count)
-    if spectral:
-        out |= {f"{w}_entropy": spectral_entropy(params["layers"][w]) for w in ("wq", "wk")}
-    return out
-
+# ---------------------------------------------------------------------------------------------
+# Beyond the card: the q/k weights' spectral entropy (a metric, --spectral-metrics)
 
 def spectral_entropy(w) -> jax.Array:
-    """[L] per stacked layer of w [L, D, ...]: the order-2 (Renyi) entropy of its spectrum, the
-    squared singular values as shares p of their sum: -log(sum p^2) over the log of their
-    count, 1 for a flat spectrum, 0 for rank one. From the Gram matrix G = W^T W alone (sum p^2
-    = ||G||_F^2 / tr(G)^2): matmuls, no SVD. arXiv 2606.28116 names the collapse of the q/k
-    spectral entropy an early warning; Zhai et al. (arXiv 2303.06296) bound the attention
-    entropy by the spectral norm of W_q W_k^T. A D x D matmul per layer: cheap at d_model 64,
-    not at scale (`--spectral-metrics`, off by default)."""
+    """[L] per stacked layer of w [L, D, ...]: the order-2 (Renyi) entropy of its spectrum
+    over the log of its size (1 flat, 0 rank one), from the Gram matrix alone (sum p^2 =
+    ||G||_F^2 / tr(G)^2; no SVD). arXiv 2606.28116 names its collapse on q/k an early warning."""
     w = w.reshape(w.shape[0], w.shape[1], -1).astype(jnp.float32)
     if jax.typeof(w).sharding.mesh.axis_names:  # (whole matrices)
         w = jax.sharding.reshard(w, P())

@@ -1,4 +1,5 @@
-"""Experiment tracking with Weights & Biases, optional: `--wandb.project NAME`.
+"""What a run records: metrics.jsonl and the progress line (`Log`), and Weights & Biases,
+optional: `--wandb.project NAME`.
 
     python train.py --wandb.project spikefix                      # online (needs a login)
     python train.py --wandb.project spikefix --wandb.mode offline  # RUN/wandb/; `wandb sync` later
@@ -15,10 +16,16 @@ offline instead. `wandb` is imported only when a project is given.
 
 import dataclasses
 import hashlib
+import math
 import os
 import pathlib
 import sys
+import time
 from typing import Literal
+
+import jax
+
+from cli import drop_torn_line, fmt_time, strict_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,3 +85,58 @@ class Tracker:
             self.run.log({f"figures/{p.stem}": wandb.Image(str(p)) for p in figures})
         self.run.finish()
         self.run = None
+
+
+class Log:
+    """metrics.jsonl (process 0) and the progress line; counts non-finite steps in a row."""
+
+    def __init__(self, cfg, run_dir: pathlib.Path, start: int, flops_per_token: float,
+                 peak_flops: float):
+        """`peak_flops`: the model FLOPs a second the mesh's devices could do, 0 if unknown
+        (MFU = achieved / this, PaLM's MFU)."""
+        self.cfg, self.start, self.nonfinite = cfg, start, 0
+        tags = (["warm-start", f"from {cfg.warm_started_from}"[-64:]] if cfg.warm_started_from
+                else []) + ["init-from-hf"] * bool(cfg.init_from_hf)
+        if (main := jax.process_index() == 0):
+            drop_torn_line(run_dir / "metrics.jsonl", print)
+        self.file = open(run_dir / "metrics.jsonl", "a") if main else None
+        self.tracker = Tracker(cfg.wandb, run_dir, dataclasses.asdict(cfg), tags, main)
+        self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+        self.flops_per_token, self.peak_flops, self.main = flops_per_token, peak_flops, main
+        self.t_start = self.t_prev = time.perf_counter()
+        self.t_first = None  # the first record's time: the average excludes the compile
+        self.since = None  # (step, time) of the first record since the compile or a rollback
+
+    def record(self, step: int, metrics: dict) -> dict:
+        now = time.perf_counter()
+        self.t_first, self.since = self.t_first or now, self.since or (step, now)
+        m = {"step": step, **{k: (v.tolist() if v.ndim else v.item())
+                              for k, v in jax.device_get(metrics).items()},
+             "tokens_per_s": self.tokens_per_step / (now - self.t_prev)}
+        self.t_prev = now
+        if self.file:
+            self.file.write(strict_json(m) + "\n")
+            self.file.flush()
+        self.tracker.log(m, step)
+        if step % self.cfg.log_every == 0 or "eval_loss" in m:
+            # rates over the steps since the first record after the compile or the last
+            # rollback (none on that record itself): never a division by zero or negative ETA
+            per_step = (now - self.since[1]) / (step - self.since[0]) if self.since and \
+                step > self.since[0] else None
+            eta = fmt_time(per_step * max(self.cfg.steps - step - 1, 0)) if per_step else "--"
+            ev = f" | eval {m['eval_loss']:.4f}" if "eval_loss" in m else ""
+            rate = self.tokens_per_step / per_step if per_step else None  # tokens a second
+            mfu = (f"MFU {self.flops_per_token * rate / self.peak_flops:.1%} | "
+                   if rate and self.peak_flops else "")
+            self.main and print(f"step {step:>6}/{self.cfg.steps} | loss {m['loss']:.4f}{ev} | "
+                f"grad {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
+                f"logit max {max(m['attn_logit_max']):.1f} | "
+                f"{(step + 1) * self.tokens_per_step / 1e6:.2f}M tok | "
+                f"{f'{rate / 1e3:.1f}k' if rate else '--'} tok/s | {mfu}"
+                f"{fmt_time(now - self.t_start)} | ETA {eta}", flush=True)
+        finite = math.isfinite(m["loss"] + m["grad_norm"])
+        self.nonfinite = 0 if finite else self.nonfinite + 1
+        return m
+
+    def average_tokens_per_s(self, last_step: int) -> float:
+        return self.tokens_per_step * (last_step - self.start) / (self.t_prev - self.t_first)

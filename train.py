@@ -13,8 +13,6 @@ line and exit status 2, before anything is written. (`jax.jit` with shardings is
 
 import contextlib
 import dataclasses
-import functools
-import math
 import pathlib
 import sys
 import time
@@ -24,28 +22,24 @@ import jax.numpy as jnp
 import optax
 from jax import P
 
-import guard
+import guarded
 from attention import resolve
 from checkpoint import (
     abstract_state,
     check_run_dir,
     checkpoint_manager,
     fresh_state,
-    insert_new_leaves,
     per_device_bytes,
-    restore_checkpoint,
     resume,
     run_lock,
     save_checkpoint,
     saved_steps,
-    strict_json,
     write_config,
 )
-from cli import UserError, command, drop_torn_line, fmt_time
+from cli import UserError, command, fmt_time
 from config import (
     TrainConfig,
-    check_escalation,
-    effective,
+    config_at,
     identity,
     load_config,
     make_tx,
@@ -53,9 +47,10 @@ from config import (
     resumed,
     train_on,
 )
-from data import TokenData, parse_ranges, token_unit
+from data import TokenData, token_unit
 from distributed import (
     StopRequested,
+    activation_bytes,
     check_fits,
     checkpoint_failed,
     give_up,
@@ -68,10 +63,10 @@ from distributed import (
     start_distributed,
 )
 from hf import load_hf
-from model import activation_bytes, count_params, flops_per_token, logical_to_spec, loss_fn
+from model import count_params, flops_per_token, logical_to_spec, loss_fn
 from optim import lr_schedule, opt_metrics, per_layer_metrics
-from report import acted, describe, final_report, read_events
-from tracking import Tracker
+from report import final_report
+from tracking import Log
 
 
 def load_data(cfg: TrainConfig) -> TokenData:
@@ -180,65 +175,6 @@ def dry_run(cfg: TrainConfig) -> None:
           f"with the state {(act + per_device) / 2**30:.3f} GiB")
 
 
-class Log:
-    """metrics.jsonl (process 0) and the progress line; counts non-finite steps in a row."""
-
-    def __init__(self, cfg: TrainConfig, run_dir: pathlib.Path, start: int):
-        self.cfg, self.start, self.nonfinite = cfg, start, 0
-        tags = (["warm-start", f"from {cfg.warm_started_from}"[-64:]] if cfg.warm_started_from
-                else []) + ["init-from-hf"] * bool(cfg.init_from_hf)
-        if (main := jax.process_index() == 0):
-            drop_torn_line(run_dir / "metrics.jsonl", say)
-        self.file = open(run_dir / "metrics.jsonl", "a") if main else None
-        self.tracker = Tracker(cfg.wandb, run_dir, dataclasses.asdict(cfg), tags, main)
-        self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-        peak, source = peak_tflops(cfg.peak_tflops)
-        # model FLOPs a second the devices could do: MFU = achieved / this (PaLM's MFU)
-        self.peak_flops = peak * 1e12 * cfg.mesh.data * cfg.mesh.model  # the mesh's devices
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
-        if main and start < cfg.steps:
-            say(f"MFU against {peak:g} TFLOP/s a device ({source})" if peak else
-                f"MFU: no peak known for {jax.devices()[0].device_kind} (--peak-tflops P shows "
-                "it; bench/README.md has this CPU's matmul rate)")
-        self.t_start = self.t_prev = time.perf_counter()
-        self.t_first = None  # the first record's time: the average excludes the compile
-        self.since = None  # (step, time) of the first record since the compile or a rollback
-
-    def record(self, step: int, metrics: dict) -> dict:
-        now = time.perf_counter()
-        self.t_first, self.since = self.t_first or now, self.since or (step, now)
-        m = {"step": step, **{k: (v.tolist() if v.ndim else v.item())
-                              for k, v in jax.device_get(metrics).items()},
-             "tokens_per_s": self.tokens_per_step / (now - self.t_prev)}
-        self.t_prev = now
-        if self.file:
-            self.file.write(strict_json(m) + "\n")
-            self.file.flush()
-        self.tracker.log(m, step)
-        if step % self.cfg.log_every == 0 or "eval_loss" in m:
-            # rates over the steps since the first record after the compile or the last
-            # rollback (none on that record itself): never a division by zero or negative ETA
-            per_step = (now - self.since[1]) / (step - self.since[0]) if self.since and \
-                step > self.since[0] else None
-            eta = fmt_time(per_step * max(self.cfg.steps - step - 1, 0)) if per_step else "--"
-            ev = f" | eval {m['eval_loss']:.4f}" if "eval_loss" in m else ""
-            rate = self.tokens_per_step / per_step if per_step else None  # tokens a second
-            mfu = (f"MFU {self.flops_per_token * rate / self.peak_flops:.1%} | "
-                   if rate and self.peak_flops else "")
-            say(f"step {step:>6}/{self.cfg.steps} | loss {m['loss']:.4f}{ev} | "
-                f"grad {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
-                f"logit max {max(m['attn_logit_max']):.1f} | "
-                f"{(step + 1) * self.tokens_per_step / 1e6:.2f}M tok | "
-                f"{f'{rate / 1e3:.1f}k' if rate else '--'} tok/s | {mfu}"
-                f"{fmt_time(now - self.t_start)} | ETA {eta}", flush=True)
-        finite = math.isfinite(m["loss"] + m["grad_norm"])
-        self.nonfinite = 0 if finite else self.nonfinite + 1
-        return m
-
-    def average_tokens_per_s(self, last_step: int) -> float:
-        return self.tokens_per_step * (last_step - self.start) / (self.t_prev - self.t_first)
-
-
 def train(cfg: TrainConfig, devices=None) -> dict:
     """Train (or resume) in cfg.run_dir on `devices` (default: all); returns the last step's
     metrics. Raises UserError before writing anything if the config, data or run dir is bad."""
@@ -250,18 +186,13 @@ def train(cfg: TrainConfig, devices=None) -> dict:
     check_run_dir(run_dir, cfg.resume_step)
     stored, steps = load_config(run_dir), saved_steps(run_dir)
     at = cfg.resume_step if cfg.resume_step is not None else (steps or [0])[-1]
-    cfg = resumed(stored, cfg, at) if stored is not None else cfg
-    check_escalation(cfg)
+    user_cfg = resumed(stored, cfg, at) if stored is not None else cfg
     hf_params = load_hf(pathlib.Path(cfg.init_from_hf), cfg.model) if cfg.init_from_hf and \
         not steps else None
-    user_cfg, events = cfg, read_events(run_dir) if steps else []
-    if beyond := next((e for e in events if e["event_step"] > cfg.steps), None):
-        raise UserError(f"{run_dir}/events.jsonl records an event at step {beyond['event_step']}"
-                        f" of a {cfg.steps}-step run; was the file edited? restore it")
-    events, later = guard.split_at(events, at)  # (later: a --resume-step went back past them)
-    cfg = effective(user_cfg, events, restored_at=at)  # the checkpoint's shape
-    data = load_data(cfg)
-    tx = make_tx(cfg)
+    # the guard's recorded actions up to the checkpoint resumed (guarded.py)
+    events, later = guarded.recorded(user_cfg, run_dir, at, bool(steps))
+    cfg = config_at(user_cfg, events, at)  # the checkpoint's shape
+    data, tx = load_data(cfg), make_tx(cfg)
     target = abstract_state(cfg.model, tx, mesh)
     lock = run_lock(run_dir, say) if jax.process_index() == 0 else contextlib.nullcontext()
     with lock, jax.set_mesh(mesh):
@@ -278,205 +209,135 @@ def train(cfg: TrainConfig, devices=None) -> dict:
             if hf_params is not None:
                 say(f"parameters from the Hugging Face folder {cfg.init_from_hf} "
                     f"({len(jax.tree.leaves(hf_params))} tensors; Adam's moments at zero)")
-        if later and jax.process_index() == 0:
-            aside = guard.set_aside(run_dir, events, later, time.strftime("%Y%m%d-%H%M%S"))
-            say(f"moved the guard's {len(later)} later action(s) aside to {aside}")
-        if events:  # the guard's actions so far, re-applied
-            cfg = effective(user_cfg, events)
-            tx, data = make_tx(cfg), load_data(cfg)
-            if guard.pending_insertion(events, int(state["step"])):
-                state = insert_new_leaves(cfg, tx, state, mesh)
-            say(f"guard: {len(acted(events))} recorded action(s) re-applied")
+        if events or later:
+            cfg, tx, data, state = guarded.reapply(cfg, tx, data, state, user_cfg, events,
+                                                   later, run_dir, mesh)
         say(identity(cfg))
         if jax.process_index() == 0:
             write_config(run_dir, dataclasses.asdict(user_cfg))
         mngr = mngr or checkpoint_manager(run_dir, cfg.keep_checkpoints)
+        if (start := int(state["step"])) >= cfg.steps:  # a finished run, resumed
+            say(f"{run_dir} is done (step {start} of {cfg.steps}): sample it with python "
+                f"sample.py {run_dir}; {train_on(cfg, start)}"
+                + (f"; nothing trains, so nothing goes to W&B (--wandb.project "
+                   f"{cfg.wandb.project})" if cfg.wandb.project else ""))
+            return {}
+        if cfg.steps < cfg.optim.warmup_steps:
+            say(f"note: --steps {cfg.steps} ends inside the LR warmup ({cfg.optim.warmup_steps} "
+                "steps): the run never reaches its peak LR")
         with StopRequested(run_dir) as stop:
-            return run_loop(cfg, tx, state, data, mesh, mngr, run_dir, stop, user_cfg, events)
+            peak, source = peak_tflops(cfg.peak_tflops)  # a device's
+            say(f"MFU against {peak:g} TFLOP/s a device ({source})" if peak else
+                f"MFU: no peak known for {jax.devices()[0].device_kind} (--peak-tflops P shows "
+                "it; bench/README.md has this CPU's matmul rate)")
+            log = Log(cfg, run_dir, start, flops_per_token(cfg.model, cfg.data.seq_len),
+                      peak * 1e12 * cfg.mesh.data * cfg.mesh.model)
+            run = Run(run_dir, mesh, mngr, data, log, stop)
+            if cfg.guard.on:  # the guard drives the loop from outside
+                why, last = guarded.drive(run_loop, run, cfg, tx, state, user_cfg, events)
+            else:
+                why, _, last = run_loop(run, cfg, tx, state)
+            return finish(run, why, last, start)
 
 
-def guard_action(trigger, cfg, user_cfg, events: list, mngr, run_dir, mesh, log, held_out):
-    """The guard's answer to `trigger` (guard.py), appended to `events` (the run's record, as
-    every process holds it): None to go on as before, or (cfg, tx, state) to go on with from
-    the rollback point. Exits on a "stop". `held_out(params)`: the held-out loss, which at a
-    level shift is set against the kept checkpoint's before the event (a shift in the data)."""
-    mngr.wait_until_finished()
-    kept, e = guard.kept_before(cfg.guard, trigger, mngr.all_steps(), events), None
-    if trigger.rule == "shift" and cfg.guard.data_fraction and kept:
-        ref = restore_checkpoint(mngr, kept[-1], abstract_state(cfg.model, make_tx(cfg), mesh))
-        e = guard.in_the_data(cfg.guard, trigger, held_out(ref["params"]), held_out(None),
-                              kept[-1])
-    e = e or guard.plan(cfg.guard, trigger, sorted(mngr.all_steps()), events)
-    say(describe(e))
-    log.tracker.log({"guard/event_step": e["event_step"], "guard/rollback_to":
-                     e.get("rollback_to", -1), "guard/escalated": int("escalation" in e)},
-                    trigger.step)
-    for s in sorted(mngr.all_steps(), reverse=True):  # the bad path's checkpoints go first
-        if e["action"] in ("rollback", "escalate") and s > e["rollback_to"]:
-            mngr.delete(s)
-    if jax.process_index() == 0:
-        guard.record(run_dir, e)
-    events.append(e)
-    if e["action"] in ("go-on", "data"):
-        return None
-    if e["action"] == "stop":
-        print(f"stopping: the guard's verdict at step {trigger.step}: {e['why']}. Last "
-              f"checkpoint: step {mngr.latest_step()} in {run_dir}", file=sys.stderr)
-        log.tracker.finish()
-        sys.exit(1)
-    r = e["rollback_to"]
-    before = guard.effective_config(user_cfg, events, restored_at=r)
-    state = restore_checkpoint(mngr, r, abstract_state(before.model, make_tx(before), mesh))
-    tx = make_tx(new := guard.effective_config(user_cfg, events))
-    if guard.pending_insertion(events, r):
-        state = insert_new_leaves(new, tx, state, mesh)
-    return new, tx, state
+class Run:
+    """What lives across the loop's re-entries (the guard's rollbacks): the run directory,
+    its checkpoints, data, log and stop flag, and the compiled steps, one pair per (model,
+    optim) config, so that going back to a step compiles nothing."""
+
+    def __init__(self, run_dir, mesh, mngr, data: TokenData, log: Log, stop: StopRequested):
+        self.run_dir, self.mesh, self.mngr, self.data, self.log, self.stop = \
+            run_dir, mesh, mngr, data, log, stop
+        self.batch_sharding = jax.NamedSharding(mesh, BATCH)
+        self.rows = process_rows(self.batch_sharding, data.cfg.batch_size)
+        self.eval_tokens = put_held_out(data, mesh, self.rows)
+        self.compiled = {}
+
+    def steps(self, cfg: TrainConfig, tx) -> tuple:
+        """(train_step, eval_step) for cfg's model and optimizer, compiled once."""
+        if (key := (cfg.model, cfg.optim)) not in self.compiled:
+            self.compiled[key] = make_train_step(cfg, tx), make_eval_step(cfg)
+        return self.compiled[key]
+
+    def batch(self, step: int) -> jax.Array:
+        """Step `step`'s token batch [B, T+1], split over "data" (this process's rows)."""
+        return jax.make_array_from_process_local_data(self.batch_sharding,
+                                                      self.data.batch(step, self.rows))
 
 
-class GuardHook:
-    """--guard in the loop: it judges each logged step (guard.py's Watch over the losses it has
-    seen) and each checkpoint step (the prediction), and answers with what the loop goes on
-    from after a rollback or an escalation, (cfg, tx, state), or None to go on as before."""
-
-    def __init__(self, cfg, user_cfg, events: list, mngr, run_dir, mesh, log, start: int,
-                 held_out):
-        self.cfg, self.user_cfg, self.events = cfg, user_cfg, events
-        self.act = functools.partial(guard_action, events=events, mngr=mngr, run_dir=run_dir,
-                                     mesh=mesh, log=log)
-        self.held_out = held_out  # params -> the held-out loss (None: the state's now)
-        # the losses the guard saw, and the last step's metrics (a prediction a kill interrupted)
-        self.seen, self.before = guard.history_before(run_dir, start, cfg.model.n_layers)
-        self.watch = guard.Watch.replay(cfg.guard, self.seen, start, guard.watch_since(events))
-
-    def resumed(self, start: int):
-        """A prediction a kill kept from its record, made again (at a checkpoint step)."""
-        t = guard.predicted(self.cfg.guard, self.events, start, self.before) \
-            if start % self.cfg.checkpoint_every == 0 else None
-        return t and self.act(t, self.cfg, self.user_cfg, held_out=None)
-
-    def logged(self, last: dict):
-        """The guard's answer to a logged step."""
-        loss = last["loss"] if math.isfinite(last["grad_norm"]) else math.nan
-        self.seen[last["step"]] = loss
-        if not (trigger := self.watch.observe(last["step"], loss)):
-            return None
-        trigger = dataclasses.replace(trigger, max_logit=max(last["attn_logit_max"]))
-        answer = self.act(trigger, self.cfg, self.user_cfg, held_out=self.held_out)
-        if self.events[-1]["action"] == "data":
-            self.watch.restart()  # the new level is the data's
-        return answer
-
-    def checkpointed(self, step: int, last: dict, final: bool):
-        """At a checkpoint the watch starts again from what it has seen; then the prediction
-        (not at the end, nor when stopping), escalated where the run stands."""
-        self.watch = guard.Watch.replay(self.cfg.guard, self.seen, step,
-                                        guard.watch_since(self.events))
-        t = None if final else guard.predicted(self.cfg.guard, self.events, step, last)
-        return t and self.act(t, self.cfg, self.user_cfg, held_out=self.held_out)
-
-    def restarted(self, cfg, step: int):
-        """The loop goes on from `step` with `cfg`: the watch from the losses before it."""
-        self.cfg = cfg
-        self.seen = {s: x for s, x in self.seen.items() if step - guard.SPAN <= s < step}
-        self.watch = guard.Watch.replay(cfg.guard, self.seen, step, guard.watch_since(self.events))
-
-
-def run_loop(cfg, tx, state, data, mesh, mngr, run_dir, stop, user_cfg=None, events=()) -> dict:
-    """Train from the state's step to cfg.steps, phase by phase as nanoGPT's loop does, saving
-    and exiting after the step where `stop` (a StopRequested) saw a signal. With
-    --guard, its hook judges each logged step and may answer with a point to go on from (a
-    rollback, an escalation): the loop goes on from there with what the guard changed."""
-    batch_sharding = jax.NamedSharding(mesh, BATCH)
-    rows = process_rows(batch_sharding, cfg.data.batch_size)
-    eval_tokens = put_held_out(data, mesh, rows)
-    step = start = int(state["step"])
-    if start >= cfg.steps:  # a finished run, resumed: nothing to train
-        say(f"{run_dir} is done (step {start} of {cfg.steps}): sample it with python sample.py "
-            f"{run_dir}; {train_on(cfg, start)}"
-            + (f"; nothing trains, so nothing goes to W&B (--wandb.project "
-               f"{cfg.wandb.project})" if cfg.wandb.project else ""))
-        return {}
-    if cfg.steps < cfg.optim.warmup_steps:
-        say(f"note: --steps {cfg.steps} ends inside the LR warmup ({cfg.optim.warmup_steps} "
-            "steps): the run never reaches its peak LR")
-    log = Log(cfg, run_dir, start)
-    train_step, eval_step = make_train_step(cfg, tx), make_eval_step(cfg)
-    hook = GuardHook(cfg, user_cfg or cfg, list(events), mngr, run_dir, mesh, log, start,
-                     lambda p: float(eval_step(state["params"] if p is None else p, eval_tokens))
-                     ) if cfg.guard.on else None
-    goto, prev, last = hook and hook.resumed(start), None, {}
-    while step < cfg.steps or goto:
-        if goto:  # the guard rolled back or escalated: go on from its point, with its changes
-            (new, tx, state), goto, prev = goto, None, None
-            data.replaced = parse_ranges(new.data.replace_batches, "replace_batches")
-            if (new.model, new.optim) != (cfg.model, cfg.optim):  # a new step function
-                train_step, eval_step = make_train_step(new, tx), make_eval_step(new)
-            cfg, step = new, int(state["step"])
-            hook.restarted(cfg, step)
-            log.nonfinite, log.since = 0, None
-            continue
+def run_loop(run: Run, cfg: TrainConfig, tx, state, judge=None) -> tuple[str, dict, dict]:
+    """Train from the state's step to cfg.steps. Returns (why it stopped, the state, the last
+    logged metrics): "done"; "signal" (saved after the step where SIGINT / SIGTERM came);
+    "non-finite" (max_consecutive_nonfinite such steps in a row); or "judged": `judge` (the
+    guard, guarded.py), shown each logged step and each checkpoint, goes on from elsewhere."""
+    train_step, eval_step = run.steps(cfg, tx)
+    step, prev, last = int(state["step"]), None, {}
+    while step < cfg.steps:
         # batch and step: dispatched, not waited for
-        tokens = jax.make_array_from_process_local_data(batch_sharding, data.batch(step, rows))
-        state, metrics = train_step(state, tokens)
+        state, metrics = train_step(state, run.batch(step))
         done = step + 1
+        # eval: the held-out loss every eval_every steps and after the last
         if done % cfg.eval_every == 0 or done == cfg.steps:
-            metrics["eval_loss"] = eval_step(state["params"], eval_tokens)
-        # log: step s-1's metrics are read only now, after step s is dispatched (reading step
-        # s's would make the host wait while the device idles); the guard judges the step
+            metrics["eval_loss"] = eval_step(state["params"], run.eval_tokens)
+        # log step s-1: read only now that step s is dispatched (reading step s's would make
+        # the host wait while the device idles)
         if prev is not None:
-            last, prev = log.record(*prev), None
-            if hook and (goto := hook.logged(last)):
-                continue
-            if log.nonfinite >= cfg.max_consecutive_nonfinite:
-                stop_nonfinite(log, last, mngr, run_dir)
+            last, prev = run.log.record(*prev), None
+            if judge and judge.logged(last, state["params"]):
+                return "judged", state, last
+            if run.log.nonfinite >= cfg.max_consecutive_nonfinite:
+                return "non-finite", state, last
         prev = (step, metrics)
-        # checkpoint (the guard sees the step first), and stop when a signal asked to
-        stopping = stop.requested(step)
+        # checkpoint (a judge reads the step before it is saved, then the checkpoint), and
+        # stop after the step where a signal came
+        stopping = run.stop.requested(step)
         if done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping:
-            if hook:
-                last, prev = log.record(*prev), None
-                if goto := hook.logged(last):
-                    continue
-            save(mngr, run_dir, done, cfg, state)
-            if hook and (goto := hook.checkpointed(done, last, done == cfg.steps or stopping)):
-                continue  # escalated where it stands
+            if judge:
+                last, prev = run.log.record(*prev), None
+                if judge.logged(last, state["params"]):
+                    return "judged", state, last
+            save(run, done, cfg, state)
+            if judge and judge.checkpointed(done, last, final=done == cfg.steps or stopping):
+                return "judged", state, last
         if stopping:
             break
         step += 1
     if prev is not None:
-        last = log.record(*prev)
+        last = run.log.record(*prev)
+    return ("signal" if run.stop.signal else "done"), state, last
+
+
+def finish(run: Run, why: str, last: dict, start: int) -> dict:
+    """After the loop: a non-finite stretch or a signal exits (the checkpoints written); a
+    finished run reports. Returns the last step's metrics."""
     if last and last["step"] > start:
-        last["avg_tokens_per_s"] = log.average_tokens_per_s(last["step"])
-    save(mngr, run_dir)
-    if stop.signal:
-        say(f"saved step {last['step'] + 1} to {run_dir}; resume with the same command")
-        log.tracker.finish()
-        sys.exit(128 + stop.signal)
-    if log.file:
-        log.file.close()
-        final_report(run_dir, token_unit(cfg.data.source), log.tracker)
+        last["avg_tokens_per_s"] = run.log.average_tokens_per_s(last["step"])
+    save(run)
+    if why == "non-finite":
+        print(f"stopping: {run.log.nonfinite} non-finite steps in a row (last at step "
+              f"{last['step']}); parameters were left unchanged by them. Last checkpoint: step "
+              f"{run.mngr.latest_step()} in {run.run_dir}", file=sys.stderr)
+    elif why == "signal":
+        say(f"saved step {last['step'] + 1} to {run.run_dir}; resume with the same command")
+    if why != "done":
+        run.log.tracker.finish()
+        sys.exit(1 if why == "non-finite" else 128 + run.stop.signal)
+    if run.log.file:
+        run.log.file.close()
+        final_report(run.run_dir, token_unit(run.data.cfg.source), run.log.tracker)
     return last
 
 
-def save(mngr, run_dir, step=None, cfg=None, state=None) -> None:
+def save(run: Run, step=None, cfg=None, state=None) -> None:
     """Save a checkpoint (asynchronously), or with no step wait for the saves in flight; a
     failed write ends the run on every process (distributed.checkpoint_failed)."""
     try:
         if step is None:
-            mngr.wait_until_finished()
+            run.mngr.wait_until_finished()
         else:
-            save_checkpoint(mngr, step, state, dataclasses.asdict(cfg))
+            save_checkpoint(run.mngr, step, state, dataclasses.asdict(cfg))
     except Exception as e:
-        checkpoint_failed(e, run_dir)
-
-
-def stop_nonfinite(log, last: dict, mngr, run_dir) -> None:
-    save(mngr, run_dir)
-    print(f"stopping: {log.nonfinite} non-finite steps in a row (last at step {last['step']}); "
-          f"parameters were left unchanged by them. Last checkpoint: step {mngr.latest_step()} "
-          f"in {run_dir}", file=sys.stderr)
-    log.tracker.finish()
-    sys.exit(1)
+        checkpoint_failed(e, run.run_dir)
 
 
 @command

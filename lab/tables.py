@@ -12,8 +12,7 @@ import pathlib
 
 import numpy as np
 
-from checkpoint import strict_json
-from cli import UserError, written_whole
+from cli import UserError, strict_json, written_whole
 from lab import store
 from lab.rows import (
     EVIDENCE_GROUPS,

@@ -1,0 +1,186 @@
+"""The guard's run-time (`train.py --guard`): it drives train.py's loop from outside.
+
+guard.py holds the guard's rules: the watch over the losses, the plan for a trigger, the record.
+This file runs them. `drive` runs the loop with a `Judge`, which reads each logged step and each
+checkpoint. On a trigger the judge decides, and records the decision in the order that makes a
+kill safe: the bad path's checkpoints are deleted, then the event is recorded, then the run acts
+on it. To go on as before (a one-off, or a shift the data check lets through) the loop just goes
+on. To go back (a rollback, an escalation) or to stop, the loop returns; `drive` restores the
+rollback point, inserts what an escalation adds, and runs the loop again with the changed
+config. The compiled steps, the log and its timers live across the re-entries (train.Run).
+"""
+
+import dataclasses
+import math
+import sys
+import time
+
+import jax
+
+import guard
+from checkpoint import abstract_state, insert_new_leaves, restore_checkpoint
+from cli import UserError
+from config import TrainConfig, config_at, make_tx
+from data import TokenData, parse_ranges
+from distributed import say
+from report import acted, describe, read_events
+
+
+def check_escalation(cfg: TrainConfig) -> None:
+    """A UserError, before anything is written, for a guard escalation this run could not carry
+    out (checked on the config asked for; once the guard has escalated, the run's effective
+    config has what it escalated to)."""
+    escalate, qk_norm, qk_clip = cfg.guard.escalate, cfg.model.qk_norm, cfg.optim.qk_clip > 0
+    if cfg.guard.on and escalate == "attn-gate" and cfg.model.attn_gate != "none":
+        raise UserError("--guard.escalate attn-gate inserts the attention gate, which this run "
+                        "already has: escalate to qk-norm, stop or none")
+    if not cfg.guard.on or escalate not in ("qk-norm", "qk-clip"):
+        return
+    if escalate == "qk-norm" and (qk_norm or qk_clip):
+        raise UserError("--guard.escalate qk-norm inserts QK-Norm, which this run "
+                        + ("already has" if qk_norm else "cannot take beside --optim.qk-clip")
+                        + ": escalate to qk-clip, stop or none")
+    if escalate == "qk-clip" and (qk_norm or qk_clip):
+        raise UserError("--guard.escalate qk-clip switches QK-Clip on, which this run "
+                        + ("already has" if qk_clip else "cannot take beside --model.qk-norm")
+                        + ": escalate to qk-norm, stop or none")
+
+
+def recorded(cfg: TrainConfig, run_dir, at: int, resuming: bool) -> tuple[list, list]:
+    """(the guard's recorded actions a resume from the checkpoint at `at` goes on with, those
+    after it: a --resume-step went back past them); checked before anything is written."""
+    check_escalation(cfg)
+    events = read_events(run_dir) if resuming else []
+    if beyond := next((e for e in events if e["event_step"] > cfg.steps), None):
+        raise UserError(f"{run_dir}/events.jsonl records an event at step {beyond['event_step']}"
+                        f" of a {cfg.steps}-step run; was the file edited? restore it")
+    return guard.split_at(events, at)
+
+
+def reapply(cfg: TrainConfig, tx, data: TokenData, state, user_cfg: TrainConfig, events: list,
+            later: list, run_dir, mesh) -> tuple:
+    """(cfg, tx, data, state) of a resumed run with the guard's recorded actions applied (its
+    replaced windows, re-warmups and escalations; an insertion its checkpoint predates is made
+    again); the actions after the resumed checkpoint are moved aside."""
+    if later and jax.process_index() == 0:
+        aside = guard.set_aside(run_dir, events, later, time.strftime("%Y%m%d-%H%M%S"))
+        say(f"moved the guard's {len(later)} later action(s) aside to {aside}")
+    if events:
+        cfg = config_at(user_cfg, events)
+        tx, data = make_tx(cfg), TokenData(cfg.data, cfg.model.vocab_size)
+        if guard.pending_insertion(events, int(state["step"])):
+            state = insert_new_leaves(cfg, tx, state, mesh)
+        say(f"guard: {len(acted(events))} recorded action(s) re-applied")
+    return cfg, tx, data, state
+
+
+class Judge:
+    """The guard as train.run_loop's judge. logged() and checkpointed() answer True where the
+    loop must return: the guard goes on from another point (a rollback, an escalation) or
+    stops; go_on() then gives what the loop runs again with."""
+
+    def __init__(self, run, cfg: TrainConfig, user_cfg: TrainConfig, events: list, start: int):
+        self.run, self.cfg, self.user_cfg, self.events = run, cfg, user_cfg, events
+        self.watched = 0  # logged steps judged by this process (a replayed step again)
+        # the losses the guard saw, and the last step's metrics (a prediction a kill interrupted)
+        self.seen, self.before = guard.history_before(run.run_dir, start, cfg.model.n_layers)
+        self.watch = guard.Watch.replay(cfg.guard, self.seen, start, guard.watch_since(events))
+
+    def decide(self, trigger: guard.Trigger, params) -> bool:
+        """The guard's answer to `trigger`, recorded (deleting the bad path's checkpoints first)
+        and appended to the events; True where the loop must return. `params`: the state now,
+        whose held-out loss a level shift sets against the kept checkpoint's before the event
+        (a shift in the data)."""
+        cfg, run, e = self.cfg, self.run, None
+        run.mngr.wait_until_finished()
+        kept = guard.kept_before(cfg.guard, trigger, run.mngr.all_steps(), self.events)
+        if trigger.rule == "shift" and cfg.guard.data_fraction and kept:
+            ref = restore_checkpoint(run.mngr, kept[-1],
+                                     abstract_state(cfg.model, make_tx(cfg), run.mesh))
+            e = guard.in_the_data(cfg.guard, trigger, self.held_out(ref["params"]),
+                                  self.held_out(params), kept[-1])
+        e = e or guard.plan(cfg.guard, trigger, sorted(run.mngr.all_steps()), self.events)
+        say(describe(e))
+        run.log.tracker.log({"guard/event_step": e["event_step"], "guard/rollback_to":
+                             e.get("rollback_to", -1), "guard/escalated": int("escalation" in e)},
+                            trigger.step)
+        for s in sorted(run.mngr.all_steps(), reverse=True):  # the bad path's checkpoints first
+            if e["action"] in ("rollback", "escalate") and s > e["rollback_to"]:
+                run.mngr.delete(s)
+        if jax.process_index() == 0:
+            guard.record(run.run_dir, e)
+        self.events.append(e)
+        return e["action"] not in ("go-on", "data")
+
+    def held_out(self, params) -> float:
+        eval_step = self.run.compiled[(self.cfg.model, self.cfg.optim)][1]
+        return float(eval_step(params, self.run.eval_tokens))
+
+    def resumed(self, start: int) -> bool:
+        """A prediction a kill kept from its record, made again (at a checkpoint step)."""
+        t = guard.predicted(self.cfg.guard, self.events, start, self.before) \
+            if start % self.cfg.checkpoint_every == 0 else None
+        return bool(t) and self.decide(t, None)
+
+    def logged(self, last: dict, params) -> bool:
+        """A logged step: the watch over its loss (NaN where the step was non-finite)."""
+        loss = last["loss"] if math.isfinite(last["grad_norm"]) else math.nan
+        self.seen[last["step"]], self.watched = loss, self.watched + 1
+        if not (trigger := self.watch.observe(last["step"], loss)):
+            return False
+        trigger = dataclasses.replace(trigger, max_logit=max(last["attn_logit_max"]))
+        back = self.decide(trigger, params)
+        if self.events[-1]["action"] == "data":
+            self.watch.restart()  # the new level is the data's
+        return back
+
+    def checkpointed(self, step: int, last: dict, final: bool) -> bool:
+        """At a checkpoint the watch starts again from what it has seen; then the prediction
+        (not at the end, nor when stopping), escalated where the run stands."""
+        self.watch = guard.Watch.replay(self.cfg.guard, self.seen, step,
+                                        guard.watch_since(self.events))
+        t = None if final else guard.predicted(self.cfg.guard, self.events, step, last)
+        return bool(t) and self.decide(t, None)
+
+    def go_on(self) -> tuple:
+        """(cfg, tx, state) the loop goes on with after the last event: its rollback point
+        restored, what an escalation inserts inserted. Exits on a "stop"."""
+        e, run = self.events[-1], self.run
+        if e["action"] == "stop":
+            print(f"stopping: the guard's verdict at step {e['trigger_step']}: {e['why']}. "
+                  f"Last checkpoint: step {run.mngr.latest_step()} in {run.run_dir}",
+                  file=sys.stderr)
+            run.log.tracker.finish()
+            sys.exit(1)
+        r = e["rollback_to"]
+        before = config_at(self.user_cfg, self.events, r)
+        state = restore_checkpoint(run.mngr, r, abstract_state(before.model, make_tx(before),
+                                                              run.mesh))
+        tx = make_tx(cfg := config_at(self.user_cfg, self.events))
+        if guard.pending_insertion(self.events, r):
+            state = insert_new_leaves(cfg, tx, state, run.mesh)
+        run.data.replaced = parse_ranges(cfg.data.replace_batches, "replace_batches")
+        run.log.nonfinite, run.log.since = 0, None
+        # the watch goes on from the losses before the rollback point
+        self.cfg = cfg
+        self.seen = {s: x for s, x in self.seen.items() if r - guard.SPAN <= s < r}
+        self.watch = guard.Watch.replay(cfg.guard, self.seen, r, guard.watch_since(self.events))
+        return cfg, tx, state
+
+
+def drive(loop, run, cfg: TrainConfig, tx, state, user_cfg: TrainConfig,
+          events: list) -> tuple[str, dict]:
+    """Run `loop` (train.run_loop) with the guard as its judge, again from each point the guard
+    goes on from, until it stops for another reason; returns (that reason, the last metrics)."""
+    judge = Judge(run, cfg, user_cfg, list(events), int(state["step"]))
+    judged = judge.resumed(int(state["step"]))
+    while True:
+        if judged:
+            cfg, tx, state = judge.go_on()
+        why, state, last = loop(run, cfg, tx, state, judge)
+        if why == "done":
+            say(f"guard: {judge.watched:,} steps watched, {len(judge.events)} event(s) "
+                f"({len(acted(judge.events))} acted on) in {run.run_dir}/events.jsonl")
+        if why != "judged":
+            return why, last
+        judged = True
