@@ -175,6 +175,22 @@ def write_config(run_dir: pathlib.Path, config: dict) -> None:
         tmp.write_text(json.dumps(config, indent=2))
 
 
+def check_corpus(run_dir: pathlib.Path, corpus: dict, what: str = "this resume") -> None:
+    """A UserError where the run in run_dir was trained on other text than `corpus`
+    (TokenData.corpus, as config.json records it; a run written before it was kept is not
+    checked), naming both and the way on."""
+    stored = (read_config(run_dir) or {}).get("corpus")
+    if not isinstance(stored, dict) or stored.get("sha256") == corpus["sha256"]:
+        return
+    way = ("set SPIKEFIX_STDLIB to a copy of the standard library it was trained on"
+           if stored.get("source", "").startswith("the embedded corpus") else
+           f"restore {stored.get('source')} as it was, or train a new run on the new data")
+    raise UserError(f"{run_dir} was trained on {stored.get('source')} ({stored.get('tokens'):,} "
+                    f"tokens, sha256 {stored.get('sha256')}); {what} would read "
+                    f"{corpus['source']} ({corpus['tokens']:,} tokens, sha256 "
+                    f"{corpus['sha256']}): other text. {way[0].upper() + way[1:]}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Orbax checkpoints
 

@@ -59,6 +59,7 @@ class TrainConfig:
     spectral_metrics: bool = False  # with them, the q/k weights' spectral entropy per layer
     resume_step: int | None = None  # resume from this checkpoint instead of the latest
     dry_run: bool = False  # print sizes and per-device bytes, allocate nothing
+    device_gib: float = 0.0  # a device's memory, for --dry-run's verdict (0: the device's own)
     init_from_hf: str = ""  # start from the weights of a Hugging Face Llama / Qwen3 folder
     # "RUN@STEP": set by warmstart.py, the checkpoint it converted (not a flag to give)
     warm_started_from: tyro.conf.Suppress[str] = ""
@@ -77,6 +78,8 @@ class TrainConfig:
                              f"rows divide over --mesh.data {self.mesh.data}")
         if not 0 <= self.peak_tflops < math.inf:
             raise ValueError(f"--peak-tflops must be >= 0, got {self.peak_tflops}")
+        if not 0 <= self.device_gib < math.inf:
+            raise ValueError(f"--device-gib must be >= 0, got {self.device_gib}")
         if self.seed < 0:
             raise ValueError(f"--seed must be >= 0, got {self.seed}")
         past = [r for r in parse_ranges(self.data.replace_batches, "replace_batches")
@@ -96,7 +99,7 @@ class TrainConfig:
 
 # Settings that may change when a run directory is resumed: they do not change the math.
 RESUMABLE = {"run_dir", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
-             "microbatches", "peak_tflops",
+             "microbatches", "peak_tflops", "device_gib",
              "max_consecutive_nonfinite", "dry_run", "mesh.data", "mesh.model",
              "data.replace_batches", "data.eval_sequences", "per_layer_metrics", "resume_step",
              "spectral_metrics", "dist.coordinator", "dist.num_processes", "dist.process_id",
@@ -210,8 +213,9 @@ def check_type(key: str, value) -> None:
 def load_config(run_dir: pathlib.Path) -> TrainConfig | None:
     """The config stored in a run directory; None if it has none."""
     stored = read_config(run_dir)
-    try:
-        return None if stored is None else config_from_dict(stored)
+    try:  # (its "corpus", the text it was trained on, is checked apart: checkpoint.check_corpus)
+        return None if stored is None else config_from_dict(
+            {k: v for k, v in stored.items() if k != "corpus"})
     except (ValueError, TypeError, AttributeError) as e:
         raise UserError(f"{run_dir}/config.json is not a spikefix config ({e})") from None
 
@@ -316,6 +320,13 @@ def parse_flags(default: TrainConfig, args: list[str], description: str = "") ->
     given = [a.split("=")[0] for a in args if a.startswith("--guard.") and a != "--guard.on"]
     if given and not cfg.guard.on:
         raise UserError(f"{given[0]} is a setting of the guard, which is off: add --guard")
+    flags = {a.split("=")[0] for a in args}
+    for flag, off, what in (("--model.attn-gate-form", cfg.model.attn_gate == "none",
+                             "the attention gate, which is off: add --model.attn-gate headwise"),
+                            ("--model.mup-base-width", cfg.model.param != "mup",
+                             "muP, which is off: add --model.param mup")):
+        if flag in flags and off:
+            raise UserError(f"{flag} is a setting of {what}")
     return cfg
 
 

@@ -23,6 +23,7 @@ Sources (`DataConfig.source`):
 
 import dataclasses
 import functools
+import hashlib
 import os
 import pathlib
 import sys
@@ -83,11 +84,16 @@ def parse_ranges(spec: str, name: str) -> list[range]:
 STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
 
 
+def stdlib_root() -> pathlib.Path:
+    """The standard library read as the embedded corpus: SPIKEFIX_STDLIB's, else this Python's."""
+    return pathlib.Path(os.environ.get("SPIKEFIX_STDLIB") or sysconfig.get_paths()["stdlib"])
+
+
 def stdlib_files() -> list[pathlib.Path]:
     """The embedded corpus's files: the .py files of this Python's standard library (or of the
     copy of another's that SPIKEFIX_STDLIB names) outside STDLIB_SKIP's folders, sorted (a walk
     that does not enter those folders: 50x faster than a glob)."""
-    root = pathlib.Path(os.environ.get("SPIKEFIX_STDLIB") or sysconfig.get_paths()["stdlib"])
+    root = stdlib_root()
     if not root.is_dir():
         raise UserError(f"SPIKEFIX_STDLIB={root} is not a folder (a copy of a Python's "
                         "standard library, read as the embedded corpus)")
@@ -240,7 +246,9 @@ class TokenData:
         tokens = load_tokens(cfg.source, vocab_size)
         name = cfg.source or "the embedded corpus"
         if tokens.size == 0:
-            raise ValueError(f"data.source {name} is empty")
+            raise ValueError(f"data.source {name} is empty" if cfg.source else
+                             f"the embedded corpus is empty: SPIKEFIX_STDLIB={stdlib_root()} "
+                             "holds no .py file (name a copy of a Python's standard library)")
         top = int(tokens.max())
         if top >= vocab_size or int(tokens.min()) < 0:
             raise ValueError(f"{name} holds token id {top}, outside the vocab of {vocab_size}: "
@@ -264,6 +272,20 @@ class TokenData:
                              f"sequence of {self.row_len} (plus a held-out slice); use more data "
                              "or a smaller --data.seq-len")
         self.replaced = parse_ranges(cfg.replace_batches, "replace_batches")
+
+    def corpus(self) -> dict:
+        """What this data is, to check that a resume or a warm start reads the same text: the
+        source, its token count, and a sha256 of the training and held-out tokens (all of
+        them; beyond 64 Mi tokens, of 64 spread 1 Mi-token slices), its first 16 hex digits."""
+        h = hashlib.sha256()
+        for tokens in (self.train, self.held_out):
+            n, k = tokens.size, 1 << 20
+            h.update(str(n).encode())
+            for a in ([0] if n <= 64 * k else np.linspace(0, n - k, 64).astype(int)):
+                h.update(np.ascontiguousarray(tokens[a:a + (n if n <= 64 * k else k)]).tobytes())
+        source = self.cfg.source or f"the embedded corpus ({stdlib_root()})"
+        return {"source": source, "tokens": int(self.train.size + self.held_out.size),
+                "sha256": h.hexdigest()[:16]}
 
     def _rows(self, tokens, starts, rows: slice):
         starts = starts[rows]
@@ -339,7 +361,9 @@ def prepare(args: PrepareArgs) -> dict:
                              f"({type(e).__name__})") from None
     docs = [p.read_bytes().decode("utf-8", errors="replace") for p in files]
     if not any(docs):
-        raise ValueError(f"--text {args.text} holds no text")
+        raise ValueError(f"--text {args.text} holds no text" if args.text else
+                         f"the embedded corpus is empty: SPIKEFIX_STDLIB={stdlib_root()} holds "
+                         "no .py file (name a copy of a Python's standard library, or --text)")
     t0 = time.perf_counter()
     if tok is None:
         tok = tokenizers.Tokenizer(models.BPE())

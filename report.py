@@ -510,8 +510,11 @@ def plot(runs: dict[str, dict], out: pathlib.Path, rule: SpikeRule = SpikeRule()
     skips = any(np.nansum(m.get("skipped", 0)) > 0 for m in runs.values())
     fig, axes = plt.subplots(4 + skips, 1, figsize=(10, 11 + 2 * skips), sharex=True,
                              gridspec_kw={"height_ratios": [3, 2, 2, 1] + [1] * skips})
-    guarded = False
+    guarded = warm = False
     for (name, m), color in zip(runs.items(), colors * 9):
+        if "inserted_at" in m:  # a warm start, its source's steps before it spliced in
+            warm = True
+            axes[0].axvline(m["inserted_at"], color=color, lw=1.2, ls=":")
         x = m["step"]
         axes[0].plot(x, m["loss"], color=color, lw=0.6, alpha=0.8, label=f"{name}: train")
         if len(m["eval_loss"]):
@@ -537,7 +540,8 @@ def plot(runs: dict[str, dict], out: pathlib.Path, rule: SpikeRule = SpikeRule()
     axes[0].legend(fontsize=8, loc="upper right")
     axes[0].set_title(title or "loss (triangles: detected spikes" + (
         "; dashed: where the guard rolled back to, dash-dot: where it escalated" if guarded
-        else "") + ")", fontsize=9)
+        else "") + ("; dotted: a warm start's insertion step, its source before it" if warm
+                    else "") + ")", fontsize=9)
     axes[1].set_ylabel("norm (log)")
     axes[1].set_title("grad norm before clipping (solid); update norm / its median (dotted)",
                       fontsize=9)
@@ -565,6 +569,29 @@ def plot(runs: dict[str, dict], out: pathlib.Path, rule: SpikeRule = SpikeRule()
     return paths + [save_figure(fig, out / "attn_logits.png", dpi=90)]
 
 
+def with_source(run: pathlib.Path, m: dict) -> dict:
+    """A warm-started run's metrics with its source's steps before the insertion spliced in
+    (config.json's warm_started_from, "RUN@STEP"), and "inserted_at": STEP; the run's own
+    metrics where it is no warm start or its source's metrics.jsonl is gone (said)."""
+    try:
+        spec = json.loads((run / "config.json").read_text()).get("warm_started_from") or ""
+        source, step = spec.rsplit("@", 1)
+        src = read_metrics(source)
+    except (OSError, ValueError, AttributeError):
+        return m
+    except UserError as e:
+        print(f"note: {run} was warm-started from {spec}, whose curve cannot be read ({e}): "
+              "drawn from the insertion on", file=sys.stderr)
+        return m
+    out, keep, evals = dict(m), src["step"] < int(step), ("eval_step", "eval_loss")
+    if all(k in m and k in src for k in evals):  # the held-out evaluations up to the insertion
+        before = np.asarray(src["eval_step"]) < int(step)
+        out |= {k: np.concatenate([np.asarray(src[k])[before], m[k]]) for k in evals}
+    out |= {k: np.concatenate([src[k][keep], v]) for k, v in m.items() if k in src and k not in
+            evals and isinstance(v, np.ndarray) and len(v) == len(m["step"])}
+    return out | {"inserted_at": int(step)}
+
+
 @dataclasses.dataclass(frozen=True)
 class ReportArgs:
     runs: tyro.conf.Positional[tuple[str, ...]]  # run directories
@@ -583,6 +610,8 @@ def main(argv: list[str]) -> int:
         print(event_report(m, name, args.rule, args.shift))
     if args.plot:
         units = {run_unit(pathlib.Path(r)) for r in args.runs}
+        runs = {name: with_source(pathlib.Path(r), m) for (name, m), r in zip(runs.items(),
+                                                                            args.runs)}
         for path in plot(runs, pathlib.Path(args.plot), args.rule,
                          unit=units.pop() if len(units) == 1 else ""):
             print(f"wrote {path}")

@@ -1835,6 +1835,22 @@ def test_qk_clip_switched_on_after_the_guard_inserted_qk_norm_is_one_line():
 # train.py: the CLI, bad input, a run that learns, stopping
 
 
+def test_a_dry_run_gives_a_verdict_and_the_microbatches_that_would_fit(capsys):
+    """--dry-run --device-gib G: the state and a microbatch's activations (the lower bound it
+    prints) against G; where they do not fit, the fewest --microbatches that would."""
+    argv = ["marin-32b", "--dry-run", "--mesh.data", "256", "--mesh.model", "4"]
+    cfg = CF.PRESETS["marin-32b"]
+    state = C.per_device_bytes(cfg.model, CF.make_tx(cfg), dataclasses.asdict(cfg.mesh))[1]
+    per_seq = DI.activation_bytes(cfg.model, 4096, 4)  # one sequence's activations a device
+    for gib, verdict in ((0, "none: --device-gib G"),
+                         (80, "does not fit in 80 GiB a device; --microbatches 16 would"),
+                         (16, "does not fit in 16 GiB a device, even one sequence at a time"),
+                         (1000, "fits in 1000 GiB a device, by this lower bound")):
+        assert T.main(argv + ["--device-gib", str(gib)]) == 0
+        assert f"verdict             {verdict}" in capsys.readouterr().out
+    assert (state + 2 * per_seq) / 2**30 < 80 < (state + 4 * per_seq) / 2**30  # 2 rows: k 16
+
+
 def test_a_dry_run_of_marin_32b_prints_the_bytes_per_device(capsys):
     assert T.main(["marin-32b", "--dry-run", "--mesh.data", "256", "--mesh.model", "4"]) == 0
     out = capsys.readouterr().out
@@ -2078,6 +2094,10 @@ BAD_INPUTS = [
     ("export", ["{trained}", "--to", "{hf_llama}"], "exists and is not empty"),
     ("export", ["{run}", "--to", "{run}2"], "no config.json there"),
     ("export", ["{trained}"], "Missing from export.py: --to STR"),
+    ("train", ["--model.attn-gate-form", "qwen"], "a setting of the attention gate, which is off"),
+    ("train", ["--model.mup-base-width", "16"], "a setting of muP, which is off"),
+    ("warmstart", ["--from", "{trained}", "--to", "{run}", "--insert", "attn-gate",
+                   "--model.attn-gate", "none"], "do not pass --model.attn-gate none"),
 ]
 
 
@@ -2172,6 +2192,55 @@ def test_bad_input_exits_2_and_writes_nothing(command, argv, message, bad_files,
     assert "-----" not in err and "--help\n" not in err  # (tyro's rules off a terminal)
     assert [tree_hashes(t) for t in trees] == before
     assert not (tmp_path / "run").exists()
+
+
+def test_a_resume_or_a_warm_start_on_other_text_is_refused_naming_both(tmp_path, monkeypatch,
+                                                                        capsys):
+    """config.json records the text a run trained on (data.TokenData.corpus); a resume, or a
+    warm start from it, that would read other text under the same name (SPIKEFIX_STDLIB naming
+    another library) is refused in one line naming both, before anything is written."""
+    libs = {name: tmp_path / name for name in "ab"}  # the same size, one letter apart
+    for name, lib in libs.items():
+        lib.mkdir()
+        (lib / "m.py").write_text(f"def {name}():\n    return 1\n" * 400)
+    monkeypatch.setenv("SPIKEFIX_STDLIB", str(libs["a"]))
+    D.embedded_corpus.cache_clear()
+    cfg = tiny(tmp_path, steps=4, checkpoint_every=2, data__eval_sequences=8)
+    T.train(cfg, devices=jax.devices()[:1])
+    stored = json.loads((tmp_path / "run" / "config.json").read_text())["corpus"]
+    assert stored["source"] == f"the embedded corpus ({libs['a']})" and stored["tokens"] == 8800
+    monkeypatch.setenv("SPIKEFIX_STDLIB", str(libs["b"]))
+    D.embedded_corpus.cache_clear()
+    before = tree_hashes(tmp_path / "run")
+    try:
+        for main, argv in ((T.main, ["--resume", str(tmp_path / "run"), "--resume-step", "2"]),
+                           (W.main, ["--from", str(tmp_path / "run"), "--to",
+                                     str(tmp_path / "warm"), "--insert", "none", "--steps", "8"])):
+            assert main(argv + ["--mesh.data", "8"]) == 2  # (the test process has 8 devices)
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and f"({libs['a']}) (8,800 tokens" in err, err
+            assert f"would read the embedded corpus ({libs['b']}) (8,800 tokens" in err
+            assert "SPIKEFIX_STDLIB to a copy of the standard library it was trained on" in err
+        assert tree_hashes(tmp_path / "run") == before and not (tmp_path / "warm").exists()
+        monkeypatch.setenv("SPIKEFIX_STDLIB", str(libs["a"]))  # its own text: it resumes
+        D.embedded_corpus.cache_clear()
+        assert T.main(["--resume", str(tmp_path / "run"), "--steps", "6", "--mesh.data", "8"]) == 0
+    finally:
+        D.embedded_corpus.cache_clear()
+
+
+def test_warmstart_refuses_to_insert_a_gate_the_guard_already_inserted(straight_run, tmp_path):
+    """A run whose guard inserted the attention gate (events.jsonl, not config.json) has it at
+    its later checkpoints: --insert attn-gate, alone or with QK-Norm, is refused in one line."""
+    run = tmp_path / "run"
+    shutil.copytree(straight_run[0].run_dir, run)
+    G.record(run, {"rule": "shift", "event_step": 4, "trigger_step": 4, "action": "escalate",
+                   "rollback_to": 3, "replaced_until": 5, "extra_steps": 2,
+                   "escalation": "attn-gate", "rewarm_steps": 1})
+    for insert in ("attn-gate", "qk-norm+attn-gate"):
+        with pytest.raises(UserError, match="has an attention gate at step 6 .its guard"):
+            W.load_source(run, None, insert)
+    assert W.load_source(run, 3, "attn-gate")[0].model.attn_gate == "none"  # before it
 
 
 def test_bad_input_from_the_shell_is_one_line_too(tmp_path):
@@ -3441,6 +3510,26 @@ def test_report_draws_figures_that_are_not_blank(tmp_path, capsys):
     llmc_shard(tmp_path / "shards" / "x_train_000000.bin", np.arange(100))
     (run / "config.json").write_text(json.dumps({"data": {"source": str(tmp_path / "shards")}}))
     assert R.run_unit(run) == "token"
+
+
+def test_a_warm_started_runs_figure_splices_its_source_before_the_insertion(tmp_path):
+    """report.py --plot on a warm start draws its source's steps and held-out losses before the
+    insertion step (config.json's warm_started_from), the warm start's own from it on."""
+    def write(run, steps, loss, evals, config):
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps(config))
+        (run / "metrics.jsonl").write_text("".join(json.dumps(
+            {"step": s, "loss": loss + s, "grad_norm": 1.0, "lr": 0.1, "attn_logit_max": [2.0]}
+            | ({"eval_loss": loss - s} if s in evals else {})) + "\n" for s in steps))
+    write(tmp_path / "src", range(10), 100.0, {3, 7}, {})
+    write(tmp_path / "warm", range(5, 10), 200.0, {7}, {"warm_started_from":
+                                                        f"{tmp_path / 'src'}@5"})
+    m = R.with_source(tmp_path / "warm", R.read_metrics(tmp_path / "warm"))
+    assert m["inserted_at"] == 5 and list(m["step"]) == list(range(10))
+    assert list(m["loss"]) == [100.0 + s for s in range(5)] + [200.0 + s for s in range(5, 10)]
+    assert list(m["eval_step"]) == [3, 7] and list(m["eval_loss"]) == [97.0, 193.0]
+    plain = R.read_metrics(tmp_path / "src")  # no warm start: the run as it is
+    assert R.with_source(tmp_path / "src", plain) is plain
 
 
 def planted_slow_rise(path: pathlib.Path, back_at: int | None) -> pathlib.Path:

@@ -26,6 +26,7 @@ import guarded
 from attention import resolve
 from checkpoint import (
     abstract_state,
+    check_corpus,
     check_run_dir,
     checkpoint_manager,
     fresh_state,
@@ -167,12 +168,24 @@ def dry_run(cfg: TrainConfig) -> None:
     print(f"attention           {form} ({cfg.model.attention} on {jax.default_backend()})")
     print(f"params + opt state  {total / 2**30:.2f} GiB total, {per_device / 2**30:.3f} GiB "
           f"per device on a {cfg.mesh.data}x{cfg.mesh.model} (data x model) mesh")
-    tokens = cfg.data.batch_size // cfg.mesh.data // cfg.microbatches * cfg.data.seq_len
-    act = activation_bytes(cfg.model, tokens, cfg.mesh.model)
-    print(f"activations         {act / 2**30:.3f} GiB per device ({tokens:,} tokens a device "
-          f"{'a microbatch ' if cfg.microbatches > 1 else ''}kept for the backward: a lower "
-          f"bound, the backward's temporaries on top; --microbatches K divides it by K); "
-          f"with the state {(act + per_device) / 2**30:.3f} GiB")
+    rows = cfg.data.batch_size // cfg.mesh.data  # a device's rows of the batch
+
+    def need(k: int) -> float:  # GiB a device: the state and a microbatch's activations
+        act = activation_bytes(cfg.model, rows // k * cfg.data.seq_len, cfg.mesh.model)
+        return (per_device + act) / 2**30
+    k, act = cfg.microbatches, need(cfg.microbatches) - per_device / 2**30
+    print(f"activations         {act:.3f} GiB per device ({rows // k * cfg.data.seq_len:,} "
+          f"tokens a device {'a microbatch ' if k > 1 else ''}kept for the backward: a lower "
+          f"bound, the backward's temporaries on top); with the state {need(k):.3f} GiB")
+    gib = cfg.device_gib or (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0) / 2**30
+    fits = [k for k in range(1, rows + 1) if rows % k == 0 and need(k) <= gib]
+    print("verdict             " + (
+        "none: --device-gib G (a device's memory) gives one" if not gib else
+        f"fits in {gib:g} GiB a device, by this lower bound" if cfg.microbatches in fits else
+        f"does not fit in {gib:g} GiB a device; --microbatches {fits[0]} would "
+        f"({need(fits[0]):.2f} GiB, by this lower bound)" if fits else
+        f"does not fit in {gib:g} GiB a device, even one sequence at a time "
+        f"({need(rows):.2f} GiB): more devices (--mesh.data, --mesh.model)"))
 
 
 def train(cfg: TrainConfig, devices=None) -> dict:
@@ -193,6 +206,8 @@ def train(cfg: TrainConfig, devices=None) -> dict:
     events, later = guarded.recorded(user_cfg, run_dir, at, bool(steps))
     cfg = config_at(user_cfg, events, at)  # the checkpoint's shape
     data, tx = load_data(cfg), make_tx(cfg)
+    if steps:  # a resume reads the text the run was trained on
+        check_corpus(run_dir, data.corpus())
     target = abstract_state(cfg.model, tx, mesh)
     lock = run_lock(run_dir, say) if jax.process_index() == 0 else contextlib.nullcontext()
     with lock, jax.set_mesh(mesh):
@@ -214,7 +229,7 @@ def train(cfg: TrainConfig, devices=None) -> dict:
                                                    later, run_dir, mesh)
         say(identity(cfg))
         if jax.process_index() == 0:
-            write_config(run_dir, dataclasses.asdict(user_cfg))
+            write_config(run_dir, dataclasses.asdict(user_cfg) | {"corpus": data.corpus()})
         mngr = mngr or checkpoint_manager(run_dir, cfg.keep_checkpoints)
         if (start := int(state["step"])) >= cfg.steps:  # a finished run, resumed
             say(f"{run_dir} is done (step {start} of {cfg.steps}): sample it with python "

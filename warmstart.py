@@ -103,12 +103,16 @@ def load_source(run: pathlib.Path, step: int | None, insert: str = "qk-norm"
                 ) -> tuple[TrainConfig, int]:
     """(config, step) of a source run directory's checkpoint (default: the latest)."""
     stored = load_config(run)
-    gate = "attn-gate" in insert
-    if stored is not None and gate and stored.model.attn_gate != "none":
+    if stored is not None and "attn-gate" in insert and stored.model.attn_gate != "none":
         raise UserError(f"--from {run} already has an attention gate: nothing to insert; "
                         "resume it with train.py instead")
     if "qk-norm" not in insert:
-        return load_checkpointed(run, step, flag="--from ")
+        cfg, step = load_checkpointed(run, step, flag="--from ")  # with what the guard did
+        if "attn-gate" in insert and cfg.model.attn_gate != "none":
+            raise UserError(f"--from {run} has an attention gate at step {step} (its guard "
+                            "inserted it; events.jsonl): nothing to insert; resume it with "
+                            "train.py instead")
+        return cfg, step
     if stored is not None and stored.model.qk_norm:  # said first: no checkpoint would help
         raise UserError(f"--from {run} already has QK-Norm (model.qk_norm is true): nothing to "
                         "insert; resume it with train.py instead")
@@ -119,6 +123,9 @@ def load_source(run: pathlib.Path, step: int | None, insert: str = "qk-norm"
     if cfg.optim.qk_clip > 0:
         raise UserError(f"--from {run} runs QK-Clip at step {step}, whose rescale QK-Norm "
                         "normalises away: warmstart.py does not insert QK-Norm beside it")
+    if "attn-gate" in insert and cfg.model.attn_gate != "none":
+        raise UserError(f"--from {run} has an attention gate at step {step} (its guard "
+                        "inserted it; events.jsonl): insert qk-norm alone")
     return cfg, step
 
 
@@ -185,6 +192,9 @@ def check_target(args: WarmStartArgs, cfg: TrainConfig, step: int) -> bool:
         return True
     if "qk-norm" in args.insert and not cfg.model.qk_norm:
         raise UserError("warmstart.py inserts QK-Norm: do not pass --model.no-qk-norm")
+    if "attn-gate" in args.insert and cfg.model.attn_gate == "none":
+        raise UserError("warmstart.py inserts the attention gate: do not pass "
+                        "--model.attn-gate none")
     if cfg.steps <= step:
         raise UserError(f"--steps {cfg.steps} does not go beyond the checkpoint's step {step}: "
                         f"give --steps greater than {step}")
@@ -203,6 +213,8 @@ def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> TrainCon
         return cfg
     mesh = setup_mesh(cfg, devices or jax.devices())
     data = train.load_data(cfg)
+    if cfg.data.source == src_cfg.data.source:  # the same name must be the same text
+        checkpoint.check_corpus(src_run, data.corpus(), what="this warm start")
     with jax.set_mesh(mesh):
         t0 = time.perf_counter()
         source, state, carried, new, dropped = convert_checkpoint(src_run, step, src_cfg, cfg,

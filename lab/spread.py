@@ -27,6 +27,7 @@ One process alone, default flags: 85-93 s a width128-mup LR, ~75 s of it start a
 """
 
 import dataclasses
+import math
 import os
 import pathlib
 import subprocess
@@ -172,8 +173,9 @@ def main(argv: list[str]) -> int:
         raise UserError(f"unknown harness row {unknown[0]!r}: python -m lab.experiments --list")
     if not args.rows:
         raise UserError("name the harness rows to spread (python -m lab.spread ROW [ROW ...])")
-    if args.jobs < 1 or args.deadline < 0:
-        raise UserError("--jobs must be at least 1 and --deadline at least 0")
+    if args.jobs < 1 or not 0 <= args.deadline < math.inf:
+        raise UserError("--jobs must be at least 1 and --deadline a number of seconds >= 0 "
+                        "(0: none)")
     rows = [HARNESS_ROWS[r] for r in args.rows if r not in load()["groups"]]
     for g in rows:  # settings.json written once, before N processes would each write it
         open_keep(g, SNAPSHOTS / g.name)

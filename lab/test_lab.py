@@ -1026,3 +1026,12 @@ def test_the_probe_table_gives_each_probed_rows_layers_and_the_seeds_range():
         "(0.400-0.450) | — (no gate) | — (no gate) |",
         "| the attention gate from scratch (2 seeds) | 0.550/0.300 (0.400-0.450) | 1.000/2.500 | "
         "1.000/0.900 |"]  # (story8 has no probe: not a row)
+
+
+@pytest.mark.parametrize("deadline", ["nan", "inf", "-1"])
+def test_spread_refuses_a_deadline_that_is_no_number_of_seconds(deadline, capsys):
+    """--deadline nan or inf would leave the deadline silently off, as -1 is refused: one line."""
+    row = next(iter(SP.HARNESS_ROWS))
+    assert SP.main([row, "--deadline", deadline]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--deadline a number of seconds >= 0" in err, err
