@@ -26,7 +26,7 @@ from data import DataConfig, parse_ranges
 from distributed import DistConfig, MeshConfig, say
 from guard import GuardConfig
 from model import ModelConfig, optimizer_layout
-from optim import OptimConfig, lr_schedule, make_optimizer
+from optim import OptimConfig, beta2_for_batch, lr_schedule, make_optimizer
 from report import acted, read_events
 from tracking import WandbConfig
 
@@ -90,6 +90,9 @@ class TrainConfig:
         if self.optim.qk_clip > 0 and self.model.qk_norm:
             raise ValueError("--optim.qk-clip rescales the q/k weights, whose scale QK-Norm "
                              "normalises away: use one or the other")
+        if self.model.param == "mup" and self.optim.optimizer in ("adamh", "muonh"):
+            raise ValueError("--model.param mup scales Adam's LR per parameter; Hyperball's step "
+                             "is an angle on each matrix's sphere: use --optim.optimizer adamw")
         if self.model.param == "mup" and self.optim.optimizer == "muon":
             raise ValueError("--model.param mup scales Adam's LR per parameter (MuAdam); Muon "
                              "scales its own updates: use --optim.optimizer adamw with muP")
@@ -222,7 +225,16 @@ def load_config(run_dir: pathlib.Path) -> TrainConfig | None:
 
 def make_tx(cfg: TrainConfig):
     """The run's optimizer chain (optim.make_optimizer), laid out on its model's parameters."""
-    return make_optimizer(cfg.optim, cfg.steps, **optimizer_layout(cfg.model))
+    return make_optimizer(applied_optim(cfg), cfg.steps, **optimizer_layout(cfg.model))
+
+
+def applied_optim(cfg: TrainConfig) -> OptimConfig:
+    """cfg.optim as the optimizer applies it: with --optim.b2-rule batch, beta2 from the batch's
+    tokens (optim.beta2_for_batch: 0.9999 for the story's 2,048, 0.95 for the 32B's 33.5M)."""
+    if cfg.optim.b2_rule == "fixed":
+        return cfg.optim
+    return dataclasses.replace(cfg.optim, b2=beta2_for_batch(cfg.data.batch_size
+                                                             * cfg.data.seq_len))
 
 
 def load_checkpointed(run_dir: pathlib.Path, step: int | None, flag: str = "",
@@ -346,7 +358,7 @@ def config_at(cfg: TrainConfig, events: list, step: int | None = None) -> TrainC
 
 def identity(cfg: TrainConfig) -> str:
     """The run in three lines: the model, the optimizer and its levers, the data."""
-    m, o, d = cfg.model, cfg.optim, cfg.data
+    m, o, d = cfg.model, applied_optim(cfg), cfg.data
     levers = [x for x, on in (("QK-Norm", m.qk_norm), (f"QK-Clip {o.qk_clip:g}", o.qk_clip),
                               (f"grad clip {o.max_grad_norm:g}", o.max_grad_norm),
                               ("skip-step", o.skip_step), (f"update clip {o.update_clip}",
@@ -359,7 +371,8 @@ def identity(cfg: TrainConfig) -> str:
                               ("guard", cfg.guard.on)) if on]
     return (f"model: d_model {m.d_model}, {m.n_layers} layers, {m.n_heads}/{m.n_kv_heads} "
             f"heads, vocab {m.vocab_size}, seed {cfg.seed}\n"
-            f"optim: {o.optimizer}, LR {o.lr:g} (warmup {o.warmup_steps}), beta2 {o.b2:g}; "
+            f"optim: {o.optimizer}, LR {o.lr:g} (warmup {o.warmup_steps}), beta2 {o.b2:g}"
+            f"{' (from the batch)' if o.b2_rule == 'batch' else ''}; "
             f"levers: {', '.join(levers) or 'none'}\n"
             f"data: {d.source or 'the embedded corpus'}, batch {d.batch_size} x {d.seq_len}, "
             f"seed {d.seed}; {cfg.steps} steps")
@@ -370,6 +383,9 @@ def resumed(stored: TrainConfig, cfg: TrainConfig, taken: int) -> TrainConfig:
     QK-Clip threshold that changes is a switch from `taken` on (said once), else the step
     of the last switch stays."""
     check_same_run(stored, cfg, taken)
+    if cfg.microbatches != stored.microbatches:
+        say(f"--microbatches {stored.microbatches} -> {cfg.microbatches}: the same step to float "
+            "rounding, so the run no longer repeats bit for bit")
     if cfg.optim.qk_clip == stored.optim.qk_clip:
         return dataclasses.replace(cfg, optim=dataclasses.replace(
             cfg.optim, qk_clip_start=stored.optim.qk_clip_start))

@@ -86,6 +86,9 @@ def export(args: ExportArgs) -> pathlib.Path:
     if cfg.model.attn_softcap:
         raise UserError(f"{run} soft-caps its attention scores (model.attn_softcap "
                         f"{cfg.model.attn_softcap:g}), which Llama and Qwen3 do not: no export")
+    if cfg.model.qk_mult != 1.0:
+        raise UserError(f"{run} multiplies its queries by model.qk_mult {cfg.model.qk_mult:g}, "
+                        "which Qwen3 does not: no export")
     if cfg.model.attn_gate != "none":
         raise UserError(f"{run} gates its attention output (model.attn_gate), which Llama and "
                         "Qwen3 do not (Qwen3-Next does, with its own layout): no export")

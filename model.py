@@ -34,6 +34,7 @@ class ModelConfig:
     d_ff: int = 688  # SwiGLU hidden: ~8/3 * d_model, as Llama
     rope_theta: float = 10_000.0  # Marin 32B (Llama 3): 500_000
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (what rescued Marin 32B)
+    qk_mult: float = 1.0  # with QK-Norm, q times this after RoPE (marin's later runs: 1.3)
     z_loss_weight: float = 1e-4  # Marin 32B; OLMo 2 uses 1e-5
     norm_eps: float = 1e-5
     init_std: float = 0.02  # OLMo 2: N(0, 0.02)
@@ -57,6 +58,8 @@ class ModelConfig:
     # "standard" (every weight N(0, init_std), one LR) or "mup" (muP, the section at the end):
     # this model against itself at `mup_base_width`, where the two are the same model.
     param: str = "standard"
+    # NOTE: the base is width_config's (d_ff in proportion: d_model 64's 172 -> 86 at 32), not
+    # lab/rows.py's d_model 32 row (d_ff 84): w_down's multipliers differ from that row's by 2.4%
     mup_base_width: int = 32
 
     def __post_init__(self):
@@ -66,7 +69,7 @@ class ModelConfig:
                     raise ValueError(f"model.{name} must be {what}, got {getattr(self, name)}")
         check(("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
                "attention_block"), lambda x: x > 0, "positive")
-        check(("rope_theta", "norm_eps", "init_std"), lambda x: 0 < x < math.inf,
+        check(("rope_theta", "norm_eps", "init_std", "qk_mult"), lambda x: 0 < x < math.inf,
               "a positive finite number")
         check(("attn_softcap", "z_loss_weight"), lambda x: 0 <= x < math.inf, ">= 0 and finite")
         check(("attention",), lambda x: x in A.FORMS, f"one of {', '.join(A.FORMS)}")
@@ -88,7 +91,9 @@ class ModelConfig:
                 (self.attention == "cudnn" and self.dtype == "float32", "model.attention cudnn "
                  "needs --model.dtype bfloat16 or float16 (cuDNN has no float32 kernel)"),
                 (self.attn_softcap and self.attention == "cudnn", "model.attention cudnn has no "
-                 "soft-cap: use --model.attention blockwise with --model.attn-softcap")):
+                 "soft-cap: use --model.attention blockwise with --model.attn-softcap"),
+                (self.qk_mult != 1.0 and not self.qk_norm, "model.qk_mult multiplies QK-Norm's "
+                 "normalised scores: add --model.qk-norm")):
             if wrong:
                 raise ValueError(why)
         if self.param == "mup":
@@ -322,7 +327,10 @@ def qkv(h_BTD, p, cfg: ModelConfig, offset=0):
     if cfg.qk_norm:  # NOTE: before RoPE, per head over head_dim, as in Qwen3 (Marin's fix)
         q_BTNH = rms_norm(q_BTNH, p["q_norm"], cfg.norm_eps)
         k_BTKH = rms_norm(k_BTKH, p["k_norm"], cfg.norm_eps)
-    return rope(q_BTNH, cfg.rope_theta, offset), rope(k_BTKH, cfg.rope_theta, offset), v_BTKH
+    q_BTNH = rope(q_BTNH, cfg.rope_theta, offset)
+    if cfg.qk_mult != 1.0:  # the normalised scores times a fixed multiplier (marin's qk_mult)
+        q_BTNH = q_BTNH * jnp.asarray(cfg.qk_mult, q_BTNH.dtype)
+    return q_BTNH, rope(k_BTKH, cfg.rope_theta, offset), v_BTKH
 
 
 def attention(x_BTD, p, cfg: ModelConfig, head_stats: bool = False):

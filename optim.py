@@ -36,13 +36,19 @@ from jax import P
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    optimizer: Literal["adamw", "muon"] = "adamw"
+    # adamh / muonh: Hyperball (Wen et al. 2025): each matrix kept on the sphere of its initial
+    # norm, its LR an angular step; the other leaves on Adam at --optim.adam-lr (no decay)
+    optimizer: Literal["adamw", "muon", "adamh", "muonh"] = "adamw"
+    adam_lr: float = 0.0  # adamh / muonh: the peak LR of the non-matrix leaves (0: --optim.lr)
     # Muon: the hidden matrices on Muon, the rest on AdamW (Levanter's and K. Jordan's split)
     muon_momentum: float = 0.95  # Muon's Nesterov momentum (Keller Jordan's, Levanter's 0.95)
     muon_head: bool = False  # orthogonalise the LM head too (the variant run before)
     lr: float = 3e-3  # peak learning rate (Marin 32B: 7e-4)
     b1: float = 0.9
     b2: float = 0.95
+    # "batch": beta2 from the batch, clip(0.999 ** (tokens a step / 131,072), 0.95, 0.9999)
+    # (marin PR #2447, "Beta2 gets a bit wacky with very large batch sizes"), not --optim.b2
+    b2_rule: Literal["fixed", "batch"] = "fixed"
     eps: float = 1e-8
     weight_decay: float = 0.05  # Marin 32B
     max_grad_norm: float = 1.0  # Marin tightened 1.0 -> 0.2 at ~56k; 0 turns clipping off
@@ -68,7 +74,8 @@ class OptimConfig:
     update_clip_sigma: float = 2.0  # Marin used 2.0 (Levanter's default is 3.0)
     update_rms_threshold: float = 1.0  # per-tensor RMS clip (Levanter update_rms_clipping)
     # QK-Clip (Kimi K2): rescale the q/k weights of each head whose signed max logit exceeded
-    # this (K2: 100); 0 = off. A resume may switch it on (a rescue with no new parameters).
+    # this (K2: 100; the progress line's "logit max" is the largest |logit|); 0 = off. A
+    # resume may switch it on (a rescue with no new parameters).
     qk_clip: float = 0.0
     qk_clip_start: int = 0  # the step QK-Clip acts from (train.py records a resume's switch)
 
@@ -80,7 +87,7 @@ class OptimConfig:
         check(("lr", "eps", "skip_sigma", "update_clip_sigma", "update_rms_threshold",
                "zclip_z"),
               lambda x: 0 < x < math.inf, "a positive finite number")
-        check(("max_grad_norm", "weight_decay", "qk_clip"), lambda x: 0 <= x < math.inf,
+        check(("max_grad_norm", "weight_decay", "qk_clip", "adam_lr"), lambda x: 0 <= x < math.inf,
               ">= 0 and finite (0 turns it off)")
         check(("b1", "b2", "zclip_alpha", "muon_momentum"), lambda x: 0 <= x < 1, "in [0, 1)")
         check(("zclip_warmup",), lambda x: x >= 2, ">= 2")
@@ -90,6 +97,9 @@ class OptimConfig:
         check(("rewarmup_start",), lambda x: x >= -1, ">= 0 (or -1: no re-warmup)")
         check(("skip_window", "update_clip_window"), lambda x: x >= 2, ">= 2")
         check(("skip_patience",), lambda x: x >= 1, ">= 1")
+        if self.qk_clip and self.optimizer in ("adamh", "muonh"):
+            raise ValueError("optim.qk_clip rescales q/k weights off their sphere: not with "
+                             f"--optim.optimizer {self.optimizer}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,8 +204,8 @@ class NonfiniteState(NamedTuple):
 
 
 def refuse_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    """A step whose loss, gradient or update is non-finite applies nothing: a zero update, and
-    `inner`'s state (moments, count, histories, metrics) kept exactly. Always on."""
+    """A non-finite loss, gradient or update applies nothing, `inner`'s state kept exactly;
+    always on. (optax's apply_if_finite too, but applies after N bad steps in a row.)"""
     inner = optax.with_extra_args_support(inner)
 
     def init(params):
@@ -336,8 +346,9 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, decay_mask, matrix_dims=N
     matrix_dims (Muon), head_axes (QK-Clip), lr_multipliers (muP: Adam's direction times each
     parameter's multiplier, before weight decay, so every other piece acts as without it)."""
     schedule = lr_schedule(cfg, total_steps)
-    direction = optax.scale_by_adam(cfg.b1, cfg.b2, cfg.eps) if cfg.optimizer == "adamw" \
-        else muon_with_adam(cfg, decay_mask, matrix_dims)
+    hyperball = cfg.optimizer in ("adamh", "muonh")  # on the matrices: decay_mask's leaves
+    direction = optax.scale_by_adam(cfg.b1, cfg.b2, cfg.eps) if cfg.optimizer in (
+        "adamw", "adamh") else muon_with_adam(cfg, decay_mask, matrix_dims)
     grad_clip = optax.clip_by_global_norm(cfg.max_grad_norm) if cfg.max_grad_norm > 0 \
         else optax.identity()
     if cfg.grad_clip == "zclip":
@@ -349,12 +360,14 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, decay_mask, matrix_dims=N
         grad_clip,
         direction,
         *([scale_per_leaf(lr_mults)] if lr_mults is not None else []),
-        optax.add_decayed_weights(cfg.weight_decay, decay_mask),
+        optax.add_decayed_weights(0.0 if hyperball else cfg.weight_decay, decay_mask),
         *update_clip,
     )
     if cfg.skip_step:
         inner = skip_step(inner, cfg.skip_window, cfg.skip_sigma, patience=cfg.skip_patience)
-    tx = optax.chain(refuse_nonfinite(inner), scale_by_schedule_at_step(schedule))
+    step = hyperball_at_step(schedule, decay_mask, (cfg.adam_lr or cfg.lr) / cfg.lr) \
+        if hyperball else scale_by_schedule_at_step(schedule)
+    tx = optax.chain(refuse_nonfinite(inner), step)
     return qk_clip(tx, cfg.qk_clip, cfg.qk_clip_start, head_axes) if cfg.qk_clip > 0 else tx
 
 
@@ -366,9 +379,8 @@ def scale_per_leaf(mults) -> optax.GradientTransformation:
 
 
 def scale_by_schedule_at_step(schedule) -> optax.GradientTransformationExtraArgs:
-    """The updates times -schedule(step), at the global step the trainer passes (`step=`):
-    stateless, so nothing (a skip, a warm start) holds it back. optax.scale_by_learning_rate's
-    arithmetic."""
+    """The updates times -schedule(step) at the global step the trainer passes (`step=`), as
+    optax.scale_by_learning_rate; stateless, so nothing (a skip, a warm start) holds it back."""
     def update(updates, state, params=None, *, step, **extra):
         lr = schedule(step)
         return jax.tree.map(lambda u: jnp.array(-lr, dtype=u.dtype) * u, updates), state
@@ -598,3 +610,53 @@ def spectral_entropy(w) -> jax.Array:
     trace = jnp.trace(gram, axis1=1, axis2=2)
     purity = jnp.sum(jnp.square(gram), axis=(1, 2)) / jnp.square(trace)
     return -jnp.log(purity) / math.log(min(w.shape[1], w.shape[2]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Beyond the card: Hyperball (Wen, Dang, Lyu, Ma, Liang, "Hyperball Optimization", 2025),
+# Levanter's adamH and marin's grug optimizers: what Marin runs after the 32B
+
+class HyperballState(NamedTuple):
+    radius: optax.Params  # each matrix's norm where it started (per stacked layer); 0 the rest
+
+
+def matrix_norm(x) -> jax.Array:
+    """A matrix's Frobenius norm in float32: [L] for stacked layers (over each layer's own
+    axes), [] for a 2-D one, as Levanter's adamH takes it."""
+    axes = tuple(range(1, x.ndim)) if x.ndim > 2 else None
+    return jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=axes))
+
+
+def beta2_for_batch(tokens: int) -> float:
+    """marin's beta2 for a batch of `tokens` tokens (PR #2447): 0.999 at 131,072, lower for a
+    larger batch, clipped to [0.95, 0.9999]."""
+    return min(max(0.999 ** (tokens / 131_072), 0.95), 0.9999)
+
+
+def hyperball_at_step(schedule, matrices, adam_ratio: float = 1.0
+                      ) -> optax.GradientTransformationExtraArgs:
+    """The LR step of AdamH / MuonH in place of scale_by_schedule_at_step: each leaf that
+    `matrices` marks keeps the norm R it had at init: W <- R * Norm(W - lr * R * Norm(u)),
+    Norm(x) = x / |x|_F per stacked layer, u the direction (Adam's or Muon's), lr =
+    schedule(step), an angle. The other leaves take -lr * adam_ratio * u. A zero direction
+    (a refused or skipped step) moves nothing. Levanter computes the new norm in closed form;
+    here it is taken from the moved matrix, the same to float rounding."""
+    def init(params):
+        return HyperballState(jax.tree.map(lambda w, on: matrix_norm(w) if on else
+                                           jnp.zeros((), jnp.float32), params, matrices))
+
+    def update(updates, state, params=None, *, step, **extra):
+        lr = schedule(step)
+
+        def one(u, w, r, on):
+            if not on:
+                return jnp.array(-lr * adam_ratio, u.dtype) * u
+            def per_layer(x):
+                return x.reshape(x.shape + (1,) * (w.ndim - x.ndim))
+            w32, u32, r = w.astype(jnp.float32), u.astype(jnp.float32), per_layer(r)
+            u_norm = per_layer(matrix_norm(u32))
+            moved = w32 - lr * r * u32 / jnp.maximum(u_norm, 1e-30)
+            new = r * moved / per_layer(matrix_norm(moved))
+            return jnp.where(u_norm > 0, new - w32, 0.0).astype(u.dtype)
+        return jax.tree.map(one, updates, params, state.radius, matrices), state
+    return optax.GradientTransformationExtraArgs(init, update)

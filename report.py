@@ -122,20 +122,25 @@ def find_shifts(m: dict[str, np.ndarray], rule: ShiftRule = ShiftRule()) -> list
 
 
 def read_metrics(run: str | pathlib.Path) -> dict[str, np.ndarray]:
-    """One array per metric, indexed by step, from a run's metrics.jsonl. A step logged twice
-    (a run resumed from an earlier checkpoint) keeps its last record. Per-layer metrics are
+    """One array per metric, indexed by step, from a run's metrics.jsonl: the last attempt's.
+    A record of a step at or before one already read (a rollback, a resume from an earlier
+    checkpoint) starts a new attempt, and the earlier attempt's records from that step on are
+    dropped: a restore is not a rise (Marin's alerting, PR #8568). Per-layer metrics are
     [steps, layers]."""
     path = pathlib.Path(run) / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"{run}: no metrics.jsonl there; give a train.py run directory")
-    by_step = {}
+    by_step, top = {}, -1
     lines = path.read_text().splitlines()
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-            by_step[int(record["step"])] = record
+            step = int(record["step"])
+            if step <= top:  # another attempt from `step` on
+                by_step = {s: x for s, x in by_step.items() if s < step}
+            by_step[step], top = record, step
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             if n == len(lines):  # a last line cut off by a crash mid-write
                 print(f"note: {path}:{n} is cut off (a crash mid-write?); skipped it",
@@ -246,8 +251,8 @@ def shift_table(shifts: list[Shift], name: str = "") -> str:
 # The OLMo 2 spike score (arXiv 2501.00656, section 3.2): the share of steps whose value lies
 # more than 7 standard deviations above the mean of the previous 1,000 values; OLMo-core's
 # stability monitor uses 6 over the previous 128. Both are reported per metric (loss, gradient
-# norm), as (window, sigma) -> the score; OLMo-core's logged score is neither: it is the
-# combined rate (a step counts if its loss or its grad norm spikes), reported beside them.
+# norm), as (window, sigma) -> the score. OLMo-core's logged score is neither: a step counts if
+# its loss or its grad norm spikes, over all steps (olmo_core_spike_score, reported beside).
 SPIKE_SCORES = ((1000, 7.0), (128, 6.0))
 
 
@@ -280,11 +285,11 @@ def spike_score(x: np.ndarray, window: int, sigma: float) -> float:
     return spiked.sum() / scored.sum() if scored.any() else math.nan
 
 
-def combined_spike_score(loss, grad_norm, window: int = 128, sigma: float = 6.0,
-                         last: int = 10_000) -> tuple[float, float]:
-    """OLMo-core's logged score (train/callbacks/stability_monitor.py): one rate, a step
-    counting if its loss or its grad norm spikes; over all steps scored for both, and over the
-    last `last` of them (its running rate). The per-metric rates are spike_score's."""
+def either_spike_rate(loss, grad_norm, window: int = 128, sigma: float = 6.0,
+                      last: int = 10_000) -> tuple[float, float]:
+    """spikefix's combined rate: a step counts if its loss or its grad norm spikes by
+    spike_flags (Bessel's std, a non-finite value a spike); over the steps scored for both, and
+    over the last `last` of them. Not OLMo-core's score: olmo_core_spike_score is."""
     a, sa = spike_flags(loss, window, sigma)
     b, sb = spike_flags(grad_norm, window, sigma)
     scored = np.nonzero(sa & sb)[0]
@@ -294,13 +299,36 @@ def combined_spike_score(loss, grad_norm, window: int = 128, sigma: float = 6.0,
     return float(hit.mean()), float(hit[-last:].mean())
 
 
+def olmo_core_spike_score(loss, grad_norm=None, window: int = 128, sigma: float = 6.0,
+                          rolling: int = 10_000) -> tuple[float, float]:
+    """OLMo-core's logged score as its StabilityMonitorCallback computes it: a step counts where
+    its loss or its grad norm is above mean + sigma * std of the previous `window` values (the
+    population std; never before `window` values, nor where that std < 1e-10); every value
+    joins the history, spiked or not, and a NaN in it hides spikes for `window` steps. Returns
+    ("SpikeScore (total)": counted steps over all steps, NaN before `window` steps;
+    "SpikeScore": over the last `rolling` steps, NaN before that many)."""
+    def spiked(x):
+        x, out = np.asarray(x, np.float64), np.zeros(len(x), bool)
+        if len(x) > window:
+            h = np.lib.stride_tricks.sliding_window_view(x, window)[:-1]  # the history of x[w:]
+            mean, std = h.mean(axis=1), h.std(axis=1)
+            with np.errstate(invalid="ignore"):
+                out[window:] = (std >= 1e-10) & (x[window:] > mean + sigma * std)
+        return out
+    hit = spiked(loss) | (spiked(grad_norm) if grad_norm is not None else False)
+    n = len(hit)
+    return (float(hit.sum() / n) if n >= window else math.nan,
+            float(hit[-rolling:].sum() / rolling) if n >= rolling else math.nan)
+
+
 def spike_scores(m: dict[str, np.ndarray]) -> dict[str, float]:
     """{"spike_score_loss_7s1000": ..., "spike_score_grad_norm_6s128": ..., and OLMo-core's
-    combined "spike_score_combined_6s128"} for a run."""
+    logged "spike_score_olmo_core_6s128" (on the CE, as OLMo-core reads it)} for a run."""
     out = {f"spike_score_{key}_{sigma:g}s{window}": spike_score(m[key], window, sigma)
            for key in ("loss", "grad_norm") if key in m for window, sigma in SPIKE_SCORES}
     if "loss" in m and "grad_norm" in m:
-        out["spike_score_combined_6s128"] = combined_spike_score(m["loss"], m["grad_norm"])[0]
+        out["spike_score_olmo_core_6s128"] = olmo_core_spike_score(m.get("ce", m["loss"]),
+                                                                   m["grad_norm"])[0]
     return out
 
 

@@ -613,6 +613,35 @@ def test_a_permanent_shift_of_the_loss_level_is_accepted_within_the_patience():
     assert skipped == numpy_skip_rule(np.float32(losses), np.ones(120), 32, 6.0, patience=5)
 
 
+def test_refuse_nonfinite_keeps_the_promise_of_optax_apply_if_finite():
+    """The same gradient stream, NaN or inf at a few steps, through optax.apply_if_finite(adam)
+    and refuse_nonfinite(scale_by_adam) with the LR after it: a non-finite step changes no
+    parameter, moment or count in either, and every other step is the same Adam step. (They
+    differ on purpose after many bad steps in a row: optax applies the update after
+    max_consecutive_errors of them; train.py stops with its last checkpoint intact.)"""
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.standard_normal((4, 3)), jnp.float32)}
+    ours = optax.chain(O.refuse_nonfinite(optax.scale_by_adam()),
+                       O.scale_by_schedule_at_step(lambda step: 1e-2))
+    theirs = optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=100)
+    p1, s1, p2, s2 = params, ours.init(params), params, theirs.init(params)
+    for step in range(12):
+        g = rng.standard_normal((4, 3)).astype(np.float32)
+        g[1, 2] = {3: np.nan, 7: np.inf, 8: np.nan}.get(step, g[1, 2])
+        u1, s1 = ours.update({"w": jnp.asarray(g)}, s1, p1, loss=jnp.float32(1.0), step=step)
+        u2, s2 = theirs.update({"w": jnp.asarray(g)}, s2, p2)
+        before = p1
+        p1, p2 = optax.apply_updates(p1, u1), optax.apply_updates(p2, u2)
+        adam1, adam2 = s1[0].inner_state, s2.inner_state[0]
+        assert int(adam1.count) == int(adam2.count) == step + 1 - sum(s <= step for s in (3, 7, 8))
+        np.testing.assert_allclose(adam1.mu["w"], adam2.mu["w"], rtol=1e-6)
+        np.testing.assert_allclose(adam1.nu["w"], adam2.nu["w"], rtol=1e-6)
+        np.testing.assert_allclose(p1["w"], p2["w"], rtol=1e-6, atol=1e-7)
+        if step in (3, 7, 8):
+            assert bool(s1[0].metrics.refused) and not bool(s2.last_finite)
+            np.testing.assert_array_equal(p1["w"], before["w"])
+
+
 def test_a_step_whose_update_is_nonfinite_is_skipped():
     def overflow(updates, state, params=None):  # a gradient above 2 overflows the update
         return jax.tree.map(lambda u: jnp.where(u > 2, jnp.inf, u), updates), state
@@ -955,6 +984,113 @@ def test_muon_trains(tiny_tokens):
             state, m = step(state, jnp.asarray(np.tile(tiny_tokens, (2, 1))))
             losses.append(float(m["loss"]))
     assert np.isfinite(losses).all() and losses[-1] < losses[0] - 0.5
+
+
+def numpy_norm(x):  # a matrix's norm per stacked layer, as the rule states it
+    x = np.asarray(x, np.float64)
+    return np.sqrt((x ** 2).sum(axis=tuple(range(1, x.ndim)))) if x.ndim > 2 else \
+        np.sqrt((x ** 2).sum())
+
+
+def per_layer(x, like):
+    return np.asarray(x).reshape(np.shape(x) + (1,) * (like.ndim - np.ndim(x)))
+
+
+@pytest.mark.parametrize("optimizer", ["adamh", "muonh"])
+def test_hyperball_keeps_each_matrix_on_its_sphere_and_steps_as_the_published_rule(
+        optimizer, tiny_tokens):
+    """AdamH / MuonH (Wen et al.; Levanter's adamH), restated in NumPy: each matrix (per stacked
+    layer) moves to R * Norm(W - lr * R * Norm(u)), u the direction before the LR step (Adam's,
+    or Muon's for the hidden matrices under MuonH), R its norm at init, which every later step
+    keeps to float rounding; the embedding and the norms' scales move by -adam_lr * u."""
+    cfg = tiny(optim__optimizer=optimizer, optim__lr=0.05, optim__adam_lr=0.01,
+               optim__warmup_steps=1, optim__max_grad_norm=0.0)
+    layout = M.optimizer_layout(cfg.model)
+    tx = CF.make_tx(cfg)
+    plain = O.make_optimizer(dataclasses.replace(  # the same direction, a plain LR step
+        cfg.optim, optimizer={"adamh": "adamw", "muonh": "muon"}[optimizer], weight_decay=0.0),
+        cfg.steps, **layout)
+    params = M.init_params(cfg.model, jax.random.key(0))
+    radius, matrix = flat_params(jax.tree.map(numpy_norm, params)), flat_params(
+        layout["decay_mask"])
+    grad = jax.grad(lambda p, t: M.loss_fn(p, t, cfg.model)[0])
+    schedule = O.lr_schedule(cfg.optim, cfg.steps)
+    with jax.set_mesh(mesh_of(1, 1)):
+        state, plain_state = tx.init(params), plain.init(params)
+        for step in range(4):
+            g, lr = grad(params, jnp.asarray(tiny_tokens)), float(schedule(step))
+            plain_u, plain_state = plain.update(g, plain_state, params, loss=jnp.float32(1.0),
+                                                step=step)
+            updates, state = tx.update(g, state, params, loss=jnp.float32(1.0), step=step)
+            new = optax.apply_updates(params, updates)
+            for k, w in flat_params(params).items():
+                w, u = np.asarray(w, np.float64), -np.asarray(flat_params(plain_u)[k]) / lr
+                got = np.asarray(flat_params(new)[k])
+                if matrix[k]:
+                    r = per_layer(radius[k], w)
+                    moved = w - lr * r * u / per_layer(numpy_norm(u), w)
+                    want = r * moved / per_layer(numpy_norm(moved), w)
+                    np.testing.assert_allclose(numpy_norm(got), radius[k], rtol=2e-6,
+                                               err_msg=k)
+                else:  # Adam at its own peak LR, on the same schedule
+                    want = w - 0.01 / 0.05 * lr * u
+                np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-7, err_msg=k)
+            params = new
+
+
+def flat_params(tree) -> dict:
+    """{"layers/wq": leaf, ...}: a params-shaped tree by the parameter table's names."""
+    return {"/".join(k.key for k in path): x
+            for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def test_a_train_py_run_under_adamh_keeps_every_matrix_on_its_initial_sphere(tmp_path):
+    """train.py --optim.optimizer adamh: after 6 steps every matrix of the final checkpoint has
+    its initial norm, layer by layer; the run learned (the Adam leaves and the angles moved)."""
+    cfg = tiny(tmp_path, steps=6, optim__optimizer="adamh", optim__lr=0.02)
+    last = T.train(cfg, devices=jax.devices()[:1])
+    init, final = (flat_params(p) for p in (M.init_params(cfg.model, jax.random.key(cfg.seed)),
+                                            restore_final(cfg, 6)["params"]))
+    matrix = flat_params(M.decay_mask(cfg.model))
+    for k, w in final.items():
+        if matrix[k]:
+            np.testing.assert_allclose(numpy_norm(w), numpy_norm(init[k]), rtol=2e-6, err_msg=k)
+            assert not np.allclose(w, init[k]), k
+    loss = R.read_metrics(tmp_path / "run")["loss"]
+    assert last["eval_loss"] < loss[0] - 0.3 and loss[-1] < loss[0] - 0.3
+
+
+def test_beta2_from_the_batch_is_marins_rule_and_is_what_adam_applies():
+    """marin PR #2447: clip(0.999 ** (tokens / 131,072), 0.95, 0.9999); the story's 2,048-token
+    batch gets 0.9999, the 32B's 33.5M-token batch 0.95. Adam's second moment after one step
+    from zero is (1 - beta2) g^2 with that beta2."""
+    assert O.beta2_for_batch(131_072) == pytest.approx(0.999)
+    assert O.beta2_for_batch(2_048) == 0.9999 and O.beta2_for_batch(8192 * 4096) == 0.95
+    assert O.beta2_for_batch(4 * 131_072) == pytest.approx(0.999 ** 4)
+    cfg = tiny(optim__b2_rule="batch", optim__max_grad_norm=0.0)  # 8 x 32 tokens: 0.9999
+    params = M.init_params(cfg.model, jax.random.key(0))
+    g = jax.tree.map(jnp.ones_like, params)
+    _, state = CF.make_tx(cfg).update(g, CF.make_tx(cfg).init(params), params,
+                                      loss=jnp.float32(1.0), step=0)
+    (adam,) = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(
+        x, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState)]
+    np.testing.assert_allclose(np.asarray(adam.nu["embed"]), 1e-4, rtol=1e-3)
+    assert "beta2 0.9999 (from the batch)" in CF.identity(cfg)
+
+
+def test_qk_mult_scales_the_normalised_scores_and_needs_qk_norm(tiny_tokens):
+    """marin's qk_mult: with QK-Norm, q times a fixed multiplier after RoPE, so each attention
+    logit of a layer (its max too) is that multiple of QK-Norm's own; without QK-Norm it is
+    refused."""
+    base = dataclasses.replace(TINY.model, qk_norm=True)
+    params = M.init_params(base, jax.random.key(0))
+    with jax.set_mesh(mesh_of(1, 1)):
+        logit = [np.asarray(M.forward(params, jnp.asarray(tiny_tokens[:, :-1]), dataclasses.replace(
+            base, qk_mult=m))[1]["attn_logit_max"]) for m in (1.0, 1.3)]
+    np.testing.assert_allclose(logit[1][0], 1.3 * logit[0][0], rtol=1e-5)  # (layer 0: the
+    # same input; a later layer's input moves with the first layer's attention)
+    with pytest.raises(ValueError, match="qk_mult multiplies QK-Norm's normalised scores"):
+        dataclasses.replace(TINY.model, qk_mult=1.3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2095,6 +2231,9 @@ BAD_INPUTS = [
     ("export", ["{run}", "--to", "{run}2"], "no config.json there"),
     ("export", ["{trained}"], "Missing from export.py: --to STR"),
     ("train", ["--model.attn-gate-form", "qwen"], "a setting of the attention gate, which is off"),
+    ("train", ["--optim.optimizer", "adamh", "--optim.qk-clip", "100"], "off their sphere"),
+    ("train", ["--optim.optimizer", "muonh", "--model.param", "mup"], "Hyperball's step"),
+    ("train", ["--model.qk-mult", "1.3"], "add --model.qk-norm"),
     ("train", ["--model.mup-base-width", "16"], "a setting of muP, which is off"),
     ("warmstart", ["--from", "{trained}", "--to", "{run}", "--insert", "attn-gate",
                    "--model.attn-gate", "none"], "do not pass --model.attn-gate none"),
@@ -3486,11 +3625,29 @@ def test_the_olmo_2_spike_score_counts_the_planted_spikes():
     # OLMo-core's logged score: one rate, a step counting if its loss OR its grad norm spikes
     g = 1 + 0.1 * rng.standard_normal(3000)
     g[[1200, 1700]] += 5.0  # one step shared with the loss, one its own
-    whole, last = R.combined_spike_score(x, g, 128, 6.0, last=1000)
+    whole, last = R.either_spike_rate(x, g, 128, 6.0, last=1000)
     both = brute(x, 128, 6.0) * (3000 - 128), brute(g, 128, 6.0) * (3000 - 128)
     assert round(whole * (3000 - 128)) == round(both[0]) + round(both[1]) - 1  # 1200 once
     assert last == pytest.approx(3 / 1000)  # 2000, 2500 and 2700: the last 1,000 steps
-    assert R.spike_scores({"loss": x, "grad_norm": g})["spike_score_combined_6s128"] == whole
+    assert R.spike_scores({"loss": x, "grad_norm": g})["spike_score_olmo_core_6s128"] == \
+        R.olmo_core_spike_score(x, g)[0]
+
+
+def test_olmo_cores_spike_score_gives_its_own_tests_numbers():
+    """allenai/OLMo-core's stability_monitor_test.py, its cases as facts: window 5, 2 sigma,
+    rolling window 5."""
+    loss, grad = [1.0 + i * 0.1 for i in range(5)], [0.5 + i * 0.01 for i in range(5)]
+    assert R.olmo_core_spike_score(loss, grad, 5, 2.0, rolling=5) == (0.0, 0.0)
+    loss, grad = loss + [100.0], grad + [0.5]  # a loss spike: 1 of 6 steps
+    assert R.olmo_core_spike_score(loss, grad, 5, 2.0, 5)[0] == pytest.approx(1 / 6)
+    loss, grad = loss + [1.0], grad + [100.0]  # a grad-norm spike: 2 of 7
+    assert R.olmo_core_spike_score(loss, grad, 5, 2.0, 5)[0] == pytest.approx(2 / 7)
+    # a loss alone (test_checkpoint_persistence): 1 spike in 6 steps
+    assert R.olmo_core_spike_score(loss[:6], None, 5, 2.0, 5)[0] == pytest.approx(1 / 6)
+    # identical values (test_identical_values_no_crash): std 0, no spike in 10 steps
+    assert R.olmo_core_spike_score([1.0] * 10, [0.5] * 10, 5, 2.0, 5) == (0.0, 0.0)
+    # where spikefix's own rate differs: Bessel's std and the steps scored for both
+    assert R.either_spike_rate(loss, grad, 5, 2.0)[0] == 1.0  # both of the 2 steps it scores
 
 
 def test_report_draws_figures_that_are_not_blank(tmp_path, capsys):
@@ -3530,6 +3687,29 @@ def test_a_warm_started_runs_figure_splices_its_source_before_the_insertion(tmp_
     assert list(m["eval_step"]) == [3, 7] and list(m["eval_loss"]) == [97.0, 193.0]
     plain = R.read_metrics(tmp_path / "src")  # no warm start: the run as it is
     assert R.with_source(tmp_path / "src", plain) is plain
+
+
+def test_a_restore_is_not_a_rise(tmp_path):
+    """Marin's "a restore is not a rise" (PR #8568): a run rolled back from its bad path to step
+    50 and stopped at 79, before the replay passed the bad path's end (99): its report, and the
+    guard resuming it, read the replayed attempt alone. Mixed, the bad path's steps 80-99 would
+    read as a level shift from step 80."""
+    run = tmp_path / "run"
+    run.mkdir()
+    good = lambda s: 2.0 + 0.01 * (-1) ** s
+    attempts = [[(s, good(s) + (1.0 if s >= 60 else 0.0)) for s in range(100)],  # the bad path
+                [(s, good(s)) for s in range(50, 80)]]  # the replay after the rollback to 50
+    (run / "metrics.jsonl").write_text("".join(json.dumps(
+        {"step": s, "loss": x, "grad_norm": 1.0, "lr": 1e-3, "attn_logit_max": [1.0]}) + "\n"
+        for attempt in attempts for s, x in attempt))
+    m = R.read_metrics(run)
+    assert list(m["step"]) == list(range(80)) and not R.find_shifts(m, R.ShiftRule(window=40))
+    mixed = {"step": np.arange(100), "loss": np.array(
+        [good(s) for s in range(80)] + [good(s) + 1.0 for s in range(80, 100)])}
+    (shift,) = R.find_shifts(mixed, R.ShiftRule(window=40, hold=10))
+    assert 80 <= shift.step < 80 + R.ShiftRule().smooth  # (the smoothed loss lags the rise)
+    seen, _ = G.history_before(run, 80, 1)  # the guard resuming at 80 sees the replay's losses
+    assert seen == {s: good(s) for s in range(80 - G.SPAN, 80) if s >= 0}
 
 
 def planted_slow_rise(path: pathlib.Path, back_at: int | None) -> pathlib.Path:

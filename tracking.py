@@ -126,8 +126,8 @@ class Log:
             eta = fmt_time(per_step * max(self.cfg.steps - step - 1, 0)) if per_step else "--"
             ev = f" | eval {m['eval_loss']:.4f}" if "eval_loss" in m else ""
             rate = self.tokens_per_step / per_step if per_step else None  # tokens a second
-            mfu = (f"MFU {self.flops_per_token * rate / self.peak_flops:.1%} | "
-                   if rate and self.peak_flops else "")
+            u = self.flops_per_token * rate / self.peak_flops if rate and self.peak_flops else 0
+            mfu = f"MFU {u:.1%} | " if 0 < u < 10 else f"MFU {u:.2g}x the peak | " if u else ""
             self.main and print(f"step {step:>6}/{self.cfg.steps} | loss {m['loss']:.4f}{ev} | "
                 f"grad {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
                 f"logit max {max(m['attn_logit_max']):.1f} | "
