@@ -105,20 +105,28 @@ def carry(source_state, target, init_new) -> tuple[dict, list, list, list]:
     return state, carried, new, dropped
 
 
-def init_new_leaves(cfg, tx, target):
+def init_new_leaves(cfg, tx, target, carried_params=None):
     """`keys -> {key: fresh value}` for some leaves of a new train state, computed alone (XLA
-    drops the rest of the init) and placed in the shardings `target` carries."""
+    drops the rest of the init) and placed in the shardings `target` carries. New optimizer
+    leaves are initialised on `carried_params` where given (the parameters the state goes on
+    with): Adam's moments are zeros either way, a Hyperball radius is the norm at the switch."""
     def init_new(keys):
         if not keys:
             return {}
         shardings = {jax.tree_util.keystr(p): x.sharding
                      for p, x in jax.tree_util.tree_leaves_with_path(target)}
 
-        def init():
+        def init(carried):
             state = init_state(cfg.model, cfg.seed, tx)
+            if carried is not None:
+                kept = {jax.tree_util.keystr(p): x
+                        for p, x in jax.tree_util.tree_leaves_with_path(carried)}
+                params = jax.tree_util.tree_map_with_path(
+                    lambda p, x: kept.get(jax.tree_util.keystr(p), x), state["params"])
+                state["opt_state"] = tx.init(params)
             leaves = jax.tree_util.tree_leaves_with_path(state)
             return {k: x for p, x in leaves if (k := jax.tree_util.keystr(p)) in keys}
-        return jax.jit(init, out_shardings={k: shardings[k] for k in keys})()
+        return jax.jit(init, out_shardings={k: shardings[k] for k in keys})(carried_params)
     return init_new
 
 
@@ -127,7 +135,7 @@ def insert_new_leaves(cfg, tx, state: dict, mesh) -> dict:
     (QK-Norm's scales, the attention gate), and its optimizer `tx`: the new leaves at their
     init (the scales at 1, Marin's gate at 0) with zero moments, every other leaf kept."""
     target = abstract_state(cfg.model, tx, mesh)
-    return carry(state, target, init_new_leaves(cfg, tx, target))[0]
+    return carry(state, target, init_new_leaves(cfg, tx, target, state["params"]))[0]
 
 
 def per_device_bytes(cfg: ModelConfig, tx, mesh_sizes: dict[str, int]) -> tuple[int, int]:

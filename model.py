@@ -58,8 +58,8 @@ class ModelConfig:
     # "standard" (every weight N(0, init_std), one LR) or "mup" (muP, the section at the end):
     # this model against itself at `mup_base_width`, where the two are the same model.
     param: str = "standard"
-    # NOTE: the base is width_config's (d_ff in proportion: d_model 64's 172 -> 86 at 32), not
-    # lab/rows.py's d_model 32 row (d_ff 84): w_down's multipliers differ from that row's by 2.4%
+    # NOTE: the base is width_config's (d_ff in proportion: 172 at d_model 64 -> 86 at 32), not
+    # the lab's d_model 32 row (d_ff 84: w_down's multipliers 2.4% apart)
     mup_base_width: int = 32
 
     def __post_init__(self):
@@ -227,9 +227,8 @@ def optimizer_layout(cfg: ModelConfig) -> dict:
 
 def head_axes(cfg: ModelConfig) -> dict[str, int]:
     """The head dim of the query and key weights (QK-Clip rescales per head)."""
-    table = param_table(cfg)
-    return {"wq": table["layers/wq"].axes.index("heads"),
-            "wk": table["layers/wk"].axes.index("kv_heads")}
+    return {w: param_table(cfg)[f"layers/{w}"].axes.index(a) for w, a in (("wq", "heads"),
+                                                                         ("wk", "kv_heads"))}
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
@@ -252,9 +251,8 @@ def count_params(cfg: ModelConfig) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6·N for the matmuls against the weights (N without the
-    embedding lookup, which is a gather), plus 6·L·T·D for causal attention scores and values
-    (12·L·T·D halved by the causal mask), as in Chinchilla / PaLM appendix B."""
+    """Training FLOPs per token (PaLM's appendix B): 6·N for the weights' matmuls (N without the
+    embedding, a gather), plus 6·L·T·D for the causal attention's scores and values."""
     n = count_params(cfg) - cfg.vocab_size * cfg.d_model
     return 6 * n + 6 * cfg.n_layers * seq_len * cfg.d_model
 

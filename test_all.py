@@ -3152,6 +3152,26 @@ def test_warmstart_inserts_the_attention_gate_carrying_every_leaf(straight_run, 
         np.testing.assert_array_equal(new[key], 0.0, err_msg=key)
 
 
+def test_a_switch_to_adamh_mid_run_takes_each_matrix_norm_at_the_switch(straight_run, tmp_path):
+    """warmstart.py --insert none --optim.optimizer adamh: the Adam moments carried, and each
+    matrix's radius is its norm at the switch (the source's checkpoint), not at a fresh init."""
+    src_cfg, _ = straight_run
+    args = W.WarmStartArgs(source=src_cfg.run_dir, to=str(tmp_path / "h"), step=3,
+                           insert="none", no_train=True)
+    cfg = W.convert(args, ["--steps", "12", "--optim.optimizer", "adamh"],
+                    devices=jax.devices()[:1])
+    old, new = restore_final(src_cfg, 3), restore_final(cfg, 3)
+    (hyper,) = [s for s in jax.tree.leaves(new["opt_state"], is_leaf=lambda x: isinstance(
+        x, O.HyperballState)) if isinstance(s, O.HyperballState)]
+    radius, params = flat_params(hyper.radius), flat_params(old["params"])
+    for k, on in flat_params(M.decay_mask(cfg.model)).items():
+        np.testing.assert_allclose(radius[k], numpy_norm(params[k]) if on else 0.0, rtol=1e-6,
+                                   err_msg=k)
+    old_leaves, new_leaves = leaves_by_key(old), leaves_by_key(new)
+    for key in old_leaves:  # every source leaf (the moments too) carried as it is
+        np.testing.assert_array_equal(new_leaves[key], old_leaves[key], err_msg=key)
+
+
 def wandb_records(run_dir: pathlib.Path, wait_s: float = 60.0) -> list:
     """The records of a run's offline W&B files, read once the exit record is there: W&B's
     writer is another process and may still be writing after `finish` returns (seen once in a

@@ -144,7 +144,8 @@ def convert_checkpoint(src_run: pathlib.Path, step: int, src_cfg: TrainConfig,
     except Exception as e:
         raise checkpoint.unreadable(src_run, step, e, "pick another with --step") from None
     target = checkpoint.abstract_state(cfg.model, tx, mesh)
-    state, carried, new, dropped = carry(source, target, init_new_leaves(cfg, tx, target))
+    state, carried, new, dropped = carry(source, target,
+                                         init_new_leaves(cfg, tx, target, source["params"]))
     partial = converting(dst_run)
     if partial.exists():  # what a killed conversion left (check_target made sure it is ours)
         shutil.rmtree(partial)
