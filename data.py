@@ -276,13 +276,13 @@ class TokenData:
     def corpus(self) -> dict:
         """What this data is, to check that a resume or a warm start reads the same text: the
         source, its token count, and a sha256 of the training and held-out tokens (all of
-        them; beyond 64 Mi tokens, of 64 spread 1 Mi-token slices), its first 16 hex digits."""
+        them; beyond 16 Mi tokens, of 16 spread 1 Mi-token slices), its first 16 hex digits."""
         h = hashlib.sha256()
         for tokens in (self.train, self.held_out):
             n, k = tokens.size, 1 << 20
             h.update(str(n).encode())
-            for a in ([0] if n <= 64 * k else np.linspace(0, n - k, 64).astype(int)):
-                h.update(np.ascontiguousarray(tokens[a:a + (n if n <= 64 * k else k)]).tobytes())
+            for a in ([0] if n <= 16 * k else np.linspace(0, n - k, 16).astype(int)):
+                h.update(np.ascontiguousarray(tokens[a:a + (n if n <= 16 * k else k)]).tobytes())
         source = self.cfg.source or f"the embedded corpus ({stdlib_root()})"
         return {"source": source, "tokens": int(self.train.size + self.held_out.size),
                 "sha256": h.hexdigest()[:16]}

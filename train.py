@@ -206,8 +206,8 @@ def train(cfg: TrainConfig, devices=None) -> dict:
     events, later = guarded.recorded(user_cfg, run_dir, at, bool(steps))
     cfg = config_at(user_cfg, events, at)  # the checkpoint's shape
     data, tx = load_data(cfg), make_tx(cfg)
-    if steps:  # a resume reads the text the run was trained on
-        check_corpus(run_dir, data.corpus())
+    if (corpus := data.corpus()) and steps:  # a resume reads the text the run trained on
+        check_corpus(run_dir, corpus)
     target = abstract_state(cfg.model, tx, mesh)
     lock = run_lock(run_dir, say) if jax.process_index() == 0 else contextlib.nullcontext()
     with lock, jax.set_mesh(mesh):
@@ -229,7 +229,7 @@ def train(cfg: TrainConfig, devices=None) -> dict:
                                                    later, run_dir, mesh)
         say(identity(cfg))
         if jax.process_index() == 0:
-            write_config(run_dir, dataclasses.asdict(user_cfg) | {"corpus": data.corpus()})
+            write_config(run_dir, dataclasses.asdict(user_cfg) | {"corpus": corpus})
         mngr = mngr or checkpoint_manager(run_dir, cfg.keep_checkpoints)
         if (start := int(state["step"])) >= cfg.steps:  # a finished run, resumed
             say(f"{run_dir} is done (step {start} of {cfg.steps}): sample it with python "
