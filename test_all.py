@@ -1196,6 +1196,20 @@ def test_spikefix_stdlib_names_another_pythons_library_as_the_corpus(tmp_path, m
         D.stdlib_files()
 
 
+def test_an_empty_spikefix_stdlib_is_named_as_such(tmp_path, monkeypatch, capsys):
+    """SPIKEFIX_STDLIB naming a folder with no .py file: train.py's data and data.py prepare
+    both name the variable and the folder (not "the embedded corpus is empty" alone)."""
+    monkeypatch.setenv("SPIKEFIX_STDLIB", str(tmp_path))
+    D.embedded_corpus.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=f"SPIKEFIX_STDLIB={tmp_path} holds no .py file"):
+            D.TokenData(TINY.data)
+        assert D.main(["prepare", "--out", str(tmp_path / "out")]) == 2
+        assert f"SPIKEFIX_STDLIB={tmp_path} holds no .py file" in capsys.readouterr().err
+    finally:
+        D.embedded_corpus.cache_clear()
+
+
 @pytest.mark.slow
 def test_prepare_trains_a_bpe_and_writes_shards_that_train_with_a_validation_split(tmp_path,
                                                                                     capsys):
