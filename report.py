@@ -467,7 +467,8 @@ def event_report(m: dict[str, np.ndarray], name: str = "", rule: SpikeRule = Spi
     return (spike_table(find_spikes(m, rule), name) + "\n"
             + shift_table(find_shifts(m, shift), name)
             + (f"\nspike scores (share of steps; per metric OLMo 2's 7s1000 and OLMo-core's "
-               f"6s128 rule, and OLMo-core's logged combined rate): {scores}" if scores else "")
+               f"6s128 rule, and OLMo-core's logged score, loss or grad norm): {scores}"
+               if scores else "")
             + guarded)
 
 
