@@ -436,7 +436,8 @@ def train_fork(g: Group, log=print) -> dict:
             qk_clip_start=at if cfg.optim.qk_clip > 0 else 0))
         tx = make_tx(cfg)
         adds = (cfg.model.qk_norm and not src_cfg.model.qk_norm) or (
-            cfg.model.attn_gate != src_cfg.model.attn_gate)  # parameters the source lacks
+            cfg.model.attn_gate != src_cfg.model.attn_gate) or (  # leaves the source lacks
+            cfg.optim.optimizer != src_cfg.optim.optimizer)  # (a Hyperball radius: at the fork)
         carry = functools.partial(insert_new_leaves, cfg, tx, mesh=mesh) \
             if adds else (lambda state: state)
         with jax.set_mesh(mesh):

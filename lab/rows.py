@@ -402,9 +402,34 @@ TEACH_SCREEN = [Group(f"teach-w{w}", warmup_steps=w, steps=1500, lrs=lrs, seeds=
 # none at 300 / 5e-2. By the rule: warmup 600, LR 0.12, its 8 seeds and QK-Norm twin next.
 TEACH8 = dataclasses.replace(TEACH_SCREEN[1], name="teach8", lrs=(0.12,), seeds=EVIDENCE_SEEDS)
 TEACH_ROWS = [*TEACH_SCREEN, TEACH8, twin(TEACH8)]
+# After the 32B: Hyperball (AdamH), declared before any of these runs. On the story regime (8
+# seeds, its rules as they stand): AdamH's angle a step by Levanter's AdamHConfig rule,
+# sqrt(Adam's LR x weight decay) = sqrt(5e-2 x 0.1) = 0.07, the embedding and norms on Adam at
+# the story's 5e-2; the same with QK-Norm; the story at beta2 from the batch (marin PR #2447:
+# 0.9999 for 2,048 tokens); and AdamH switched on mid-run at story8-qk-inserted's forks (the same
+# steps, the same 100-step re-warmup from 0.1x), each matrix's radius its norm at the switch.
+ADAMH = (("optimizer", "adamh"), ("adam_lr", 0.05))
+REWARM = (("rewarmup_steps", 100), ("rewarmup_from_ratio", 0.1))
+HYPERBALL_ROWS = [dataclasses.replace(EVIDENCE, name=name, qk_norm=qk, lrs=lrs, optim=optim,
+                                      fork=fork, snapshot_every=0, compare_with="story8-qk",
+                                      label="")
+                  for name, qk, lrs, optim, fork in (
+                      ("story8-adamh", False, (0.07,), ADAMH, ""),
+                      ("story8-adamh-qk", True, (0.07,), ADAMH, ""),
+                      ("story8-b2-batch", False, (5e-2,), (("b2_rule", "batch"),), ""),
+                      ("story8-adamh-switched", False, (0.07,), ADAMH + REWARM, "story8"))]
+# The break under AdamH at d_model 32 (3 seeds, the knob table's rules), with and without
+# QK-Norm: the angle in half decades from 1e-3 to 1, around Levanter's rule at width32's best
+# Adam LR (sqrt(3e-3 x 0.1) = 0.017); the other leaves on Adam at that best LR. A best LR at the
+# grid's edge gets the next half decade beyond it, declared then.
+HYPERBALL_ROWS += [dataclasses.replace(WIDTH32, name=f"width32-adamh{'-qk' * qk}", qk_norm=qk,
+                                       optim=(("optimizer", "adamh"), ("adam_lr", 3e-3)),
+                                       lrs=(1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0),
+                                       compare_with="" if qk else "width32-adamh-qk")
+                   for qk in (False, True)]
 HARNESS_ROWS = {g.name: g for g in (*LEVERS, *SWEEP, *EVIDENCE_GROUPS, *WIDTH_ROWS, *ZLOSS_ROWS,
                                     *KNOB_ROWS, *BREAK_ROWS, *MUP_ROWS, *MACHINE_ROWS,
-                                    *TEACH_ROWS)}
+                                    *TEACH_ROWS, *HYPERBALL_ROWS)}
 
 
 
