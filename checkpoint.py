@@ -193,7 +193,9 @@ def check_corpus(run_dir: pathlib.Path, corpus: dict, what: str = "this resume")
     way = ("set SPIKEFIX_STDLIB to a copy of the standard library it was trained on"
            if stored.get("source", "").startswith("the embedded corpus") else
            f"restore {stored.get('source')} as it was, or train a new run on the new data")
-    raise UserError(f"{run_dir} was trained on {stored.get('source')} ({stored.get('tokens'):,} "
+    tokens = stored.get("tokens")
+    raise UserError(f"{run_dir} was trained on {stored.get('source')} ("
+                    f"{f'{tokens:,}' if isinstance(tokens, int) else '?'} "
                     f"tokens, sha256 {stored.get('sha256')}); {what} would read "
                     f"{corpus['source']} ({corpus['tokens']:,} tokens, sha256 "
                     f"{corpus['sha256']}): other text. {way[0].upper() + way[1:]}")

@@ -128,12 +128,14 @@ class Log:
             rate = self.tokens_per_step / per_step if per_step else None  # tokens a second
             u = self.flops_per_token * rate / self.peak_flops if rate and self.peak_flops else 0
             mfu = f"MFU {u:.1%} | " if 0 < u < 10 else f"MFU {u:.2g}x the peak | " if u else ""
-            self.main and print(f"step {step:>6}/{self.cfg.steps} | loss {m['loss']:.4f}{ev} | "
-                f"grad {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
-                f"logit max {max(m['attn_logit_max']):.1f} | "
-                f"{(step + 1) * self.tokens_per_step / 1e6:.2f}M tok | "
-                f"{f'{rate / 1e3:.1f}k' if rate else '--'} tok/s | {mfu}"
-                f"{fmt_time(now - self.t_start)} | ETA {eta}", flush=True)
+            line = (f"step {step:>6}/{self.cfg.steps} | loss {m['loss']:.4f}{ev} | "
+                    f"grad {m['grad_norm']:.3f} | lr {m['lr']:.2e} | "
+                    f"logit max {max(m['attn_logit_max']):.1f} | "
+                    f"{(step + 1) * self.tokens_per_step / 1e6:.2f}M tok | "
+                    f"{f'{rate / 1e3:.1f}k' if rate else '--'} tok/s | {mfu}"
+                    f"{fmt_time(now - self.t_start)} | ETA {eta}")
+            if self.main:
+                print(line, flush=True)
         finite = math.isfinite(m["loss"] + m["grad_norm"])
         self.nonfinite = 0 if finite else self.nonfinite + 1
         return m
