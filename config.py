@@ -135,6 +135,17 @@ PRESETS = {
         data=DataConfig(batch_size=16, eval_sequences=64),
         run_dir="runs/story", steps=4000, log_every=250, eval_every=250,
         checkpoint_every=250, keep_checkpoints=20),
+    # The story told in 15 minutes (README's recipe): the story's model, a 600-step warmup to LR
+    # 0.12, 1,500 steps, a checkpoint every 100 (where a warm start can begin). Picked by a
+    # recorded screen (lab/rows.py, TEACH_SCREEN): 8 of 8 seeds shift by step 701 without
+    # QK-Norm, 0 of 8 with it (teach8, teach8-qk).
+    "teach": TrainConfig(
+        model=ModelConfig(d_model=64, d_ff=172, scan_layers=False),
+        optim=OptimConfig(lr=0.12, warmup_steps=600, b2=0.95, weight_decay=0.1,
+                          max_grad_norm=0.0, min_lr_ratio=1.0),
+        data=DataConfig(batch_size=16, eval_sequences=64),
+        run_dir="runs/teach", steps=1500, log_every=100, eval_every=250,
+        checkpoint_every=100, keep_checkpoints=20),
     # The real Marin 32B shape and optimizer (Marin's exp1295_32b); for --dry-run on a laptop.
     "marin-32b": TrainConfig(
         model=ModelConfig(vocab_size=128_256, d_model=5120, n_layers=64, n_heads=40,
@@ -154,6 +165,8 @@ PRESET_USES = {
     "tiny": "d_model 64, 2 layers, 20 steps: the tests' model, seconds",
     "story": "the spike story: d_model 64, a 1,000-step warmup to LR 5e-2; breaks in level "
              "shifts without QK-Norm (~8 minutes)",
+    "teach": "the story in 15 minutes: LR 0.12 after a 600-step warmup, 1,500 steps; shifts "
+             "by step ~700 without QK-Norm (~2 minutes)",
     "marin-32b": "the real Marin 32B shape and optimizer, for --dry-run",
 }
 USAGE = ("Presets (the first word; the flags override it): "

@@ -99,6 +99,7 @@ from lab.tables import (
     probe_markdown,
     readme_summary,
     s1_markdown,
+    teach_markdown,
     update_readme,
     write_results_json,
 )
@@ -536,6 +537,7 @@ def harness_tables(args: Args) -> None:
         write_results_json({"evidence": evidence_json(evidence)})
         update_readme(s1_markdown(record), part="s1")
         update_readme(probe_markdown(record), part="probes")
+        update_readme(teach_markdown(record), part="teach")
         print(f"wrote the 8-seed rows in {RESULTS}/results.json ('evidence')")
     if args.breaks and args.plot:
         update_readme(lever_breaks_top(record), pathlib.Path("README.md"), "lever-breaks")

@@ -255,8 +255,8 @@ def plot_levers(record: dict, out: pathlib.Path) -> pathlib.Path:
 def plot_evidence(rows: list[dict], out: pathlib.Path) -> pathlib.Path:
     """results/evidence.png: per seed, the baseline's train loss (raw, faint; EMA 20, bold)
     against its QK-Norm twin's and, where it ran, QK-Norm inserted mid-run (from its step);
-    the baseline's episodes after S1 marked: level shifts (x), one-step spikes (o), hard
-    batches (open grey squares: the twin jumped there too); the insertion step (dash-dot)."""
+    the baseline's episodes after its parting step marked: level shifts (x), one-step spikes (o),
+    hard batches (open grey squares: the twin jumped there too); the insertion step (dash-dot)."""
     plt = pyplot()
     by = {r["group"]: r for r in rows}
     base = by["story8"]
@@ -283,7 +283,7 @@ def plot_evidence(rows: list[dict], out: pathlib.Path) -> pathlib.Path:
             ax.plot(e.start, y[e.start] + 0.08, style[0], ms=style[1], color=style[2],
                     mfc="none" if e.hard_batch else style[2], mew=1.5)
         ax.axvline(p["s1"], color="0.6", lw=0.8, ls=":")
-        ax.set_title(f"seed {seed} (S1 {p['s1']})", fontsize=9)
+        ax.set_title(f"seed {seed} (parts at {p['s1']})", fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("train loss (nats/byte)")
         ax.set_ylim(1.2, 2.8)
@@ -292,9 +292,9 @@ def plot_evidence(rows: list[dict], out: pathlib.Path) -> pathlib.Path:
     for ax in axes.flat[n:]:
         ax.axis("off")
     fig.suptitle(f"the story regime, {n} seeds: the baseline (blue; raw faint, EMA 20 bold)\n"
-                 "against its QK-Norm twin (dashed); S1 (dotted): the baseline's last held-out "
+                 "against its QK-Norm twin (dashed); the parting step (dotted): its last held-out "
                  "eval within 0.05 nats of the twin's;\nQK-Norm inserted (green, dash-dot line: "
-                 "the insertion step);\nepisodes after S1, marked just above the curve: x level "
+                 "the insertion step);\nepisodes after it, marked just above the curve: x level "
                  "shift, filled o one-step spike, open grey square a hard batch (the twin jumped "
                  "there too)", fontsize=10)
     return save_figure(fig, out / "evidence.png", dpi=80)

@@ -412,12 +412,15 @@ ADAMH = (("optimizer", "adamh"), ("adam_lr", 0.05))
 REWARM = (("rewarmup_steps", 100), ("rewarmup_from_ratio", 0.1))
 HYPERBALL_ROWS = [dataclasses.replace(EVIDENCE, name=name, qk_norm=qk, lrs=lrs, optim=optim,
                                       fork=fork, snapshot_every=0, compare_with="story8-qk",
-                                      label="")
-                  for name, qk, lrs, optim, fork in (
-                      ("story8-adamh", False, (0.07,), ADAMH, ""),
-                      ("story8-adamh-qk", True, (0.07,), ADAMH, ""),
-                      ("story8-b2-batch", False, (5e-2,), (("b2_rule", "batch"),), ""),
-                      ("story8-adamh-switched", False, (0.07,), ADAMH + REWARM, "story8"))]
+                                      label=label)
+                  for name, qk, lrs, optim, fork, label in (
+                      ("story8-adamh", False, (0.07,), ADAMH, "", "AdamH, no QK-Norm"),
+                      ("story8-adamh-qk", True, (0.07,), ADAMH, "", "AdamH with QK-Norm"),
+                      ("story8-b2-batch", False, (5e-2,), (("b2_rule", "batch"),), "",
+                       "beta2 from the batch (0.9999), no QK-Norm"),
+                      ("story8-adamh-switched", False, (0.07,), ADAMH + REWARM, "story8",
+                       "AdamH switched on mid-run"))]
+EVIDENCE_GROUPS += HYPERBALL_ROWS  # judged by the story's rules, in its tables
 # The break under AdamH at d_model 32 (3 seeds, the knob table's rules), with and without
 # QK-Norm: the angle in half decades from 1e-3 to 1, around Levanter's rule at width32's best
 # Adam LR (sqrt(3e-3 x 0.1) = 0.017); the other leaves on Adam at that best LR. A best LR at the
@@ -427,6 +430,12 @@ HYPERBALL_ROWS += [dataclasses.replace(WIDTH32, name=f"width32-adamh{'-qk' * qk}
                                        lrs=(1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0),
                                        compare_with="" if qk else "width32-adamh-qk")
                    for qk in (False, True)]
+# The README's six rows of the evidence (lab/tables.py:readme_summary), in its order.
+README_ROWS = (("story8", "baseline (no QK-Norm)"), ("story8-qk", "QK-Norm from scratch"),
+               ("story8-marin-32b", "the 32B's levers: clip 0.2, skip-step, update clip"),
+               ("story8-qk-inserted", "QK-Norm inserted mid-run"),
+               ("story8-adamh", "AdamH (weights on a sphere), no QK-Norm"),
+               ("story8-b2-batch", "Adam's β2 from the batch (0.9999), no QK-Norm"))
 HARNESS_ROWS = {g.name: g for g in (*LEVERS, *SWEEP, *EVIDENCE_GROUPS, *WIDTH_ROWS, *ZLOSS_ROWS,
                                     *KNOB_ROWS, *BREAK_ROWS, *MUP_ROWS, *MACHINE_ROWS,
                                     *TEACH_ROWS, *HYPERBALL_ROWS)}

@@ -18,6 +18,7 @@ from lab.rows import (
     EVIDENCE_GROUPS,
     EVIDENCE_SEEDS,
     LEVERS,
+    README_ROWS,
     STORY,
     Group,
 )
@@ -42,11 +43,15 @@ ESCALATED_TO = {"qk-norm": "QK-Norm", "attn-gate": "the attention gate", "qk-cli
 
 def update_readme(text: str, readme: pathlib.Path = pathlib.Path("results/README.md"),
                   part: str = "results", writer: str = "lab/experiments.py") -> None:
-    """Replace the text between `part`'s markers in results/README.md."""
+    """Replace the text between `part`'s markers in `readme`; a table the report does not
+    carry (no markers: the earlier 3-seed rows) is printed only."""
     start, end = f"<!-- {part}: written by {writer} -->", f"<!-- /{part} -->"
     body = readme.read_text()
+    if start not in body and end not in body:
+        print(f"{text}\n({readme} carries no {part!r} table: printed only)")
+        return
     if start not in body or end not in body:
-        raise UserError(f"{readme} lacks the {start} ... {end} markers")
+        raise UserError(f"{readme} has one of the {start} ... {end} markers, not both")
     head, rest = body.split(start)
     readme.write_text(f"{head}{start}\n{text}\n{end}{rest.split(end, 1)[1]}")
 
@@ -248,7 +253,8 @@ def s1_markdown(record: dict, groups=("story8", "story8-qk", "story8-marin-32b",
     to its QK-Norm twin at step 1,000, before any event."""
     by = {s1: {r["group"]: r for r in evidence_rows(record, s1=s1, only=groups)}
           for s1 in (None, 0, 1000)}
-    lines = ["| row | level-shift episodes / 1k steps: S1 by its rule | S1 = 0 | S1 = 1,000 |",
+    lines = ["| row | level-shift episodes / 1k steps, counted from: the parting step | step 0 "
+             "| step 1,000 |",
              "|---" * 4 + "|"]
     for g in groups:
         if g not in by[None]:
@@ -307,6 +313,31 @@ def probe_markdown(record: dict) -> str:
     return "\n".join(lines)
 
 
+def teach_markdown(record: dict, groups=("teach8", "teach8-qk")) -> str:
+    """The `teach` preset's rows (the README's recipe) from the record: per row the seeds with a
+    level shift anywhere in the run and each seed's first, held-out (the mean of the last
+    1,000 steps' evals) and the max attention logit, each mean with its 95% interval."""
+    lines = ["| row | seeds with a level shift | first shift, per seed | held-out (nats/byte) | "
+             "max attn logit |", "|---" * 5 + "|"]
+    for name in groups:
+        if name not in record["groups"]:
+            continue
+        g = record["groups"][name]
+        ms = sorted(g["members"], key=lambda m: m["seed"])
+        first = [min(m["shift_steps"], default=None) for m in ms]
+        cells = []
+        for v, fmt in (([held_out(m["eval_step"], m["eval_loss"], m["steps"]) for m in ms],
+                        "{:.3f}"), ([m["max_attn_logit"] for m in ms], "{:,.0f}")):
+            lo, hi = bootstrap(v)
+            cells.append(f"{fmt.format(np.mean(v))} [{fmt.format(lo)}, {fmt.format(hi)}]")
+        lines.append(f"| {name} | {sum(f is not None for f in first)} of {len(ms)} | "
+                     f"{', '.join('—' if f is None else f'{f:,}' for f in first)} | "
+                     f"{' | '.join(cells)} |")
+    cpus = sorted({group_cpu(record["groups"][n]) or "?" for n in groups
+                   if n in record["groups"]})
+    return "\n".join(lines) + f"\n\nRan on: {'; '.join(cpus)}."
+
+
 def evidence_json(rows: list[dict]) -> list[dict]:
     """The evidence rows as results.json keeps them: per row its seeds, the CPU and every
     figure (each seed's value, the mean, its 95% interval), the guard's counts."""
@@ -317,19 +348,17 @@ def evidence_json(rows: list[dict]) -> list[dict]:
 
 
 def readme_summary(rows: list[dict]) -> str:
-    """The README's evidence table: the evidence rows with a label that have run, in their
-    order, four figures each."""
+    """The README's evidence table: the rows of README_ROWS that have run, four figures each."""
     by = {r["group"]: r for r in rows}
 
     def cell(r, key, fmt):
         lo, hi = r[key]["ci"]
         return f"{fmt.format(r[key]['mean'])} [{fmt.format(lo)}, {fmt.format(hi)}]"
-    lines = ["| row (8 seeds; 95% bootstrap intervals) | seeds with a level shift | level-shift "
+    lines = ["| the story, 8 seeds a row (95% intervals) | seeds with a level shift | level-shift "
              "episodes / 1k steps | held-out (nats/byte) | max attn logit |", "|---" * 5 + "|"]
-    for g in EVIDENCE_GROUPS:
-        if not g.label or (r := by.get(g.name)) is None:
+    for name, label in README_ROWS:
+        if (r := by.get(name)) is None:
             continue
-        label = g.label
         n, shifted = len(r["seeds"]), round(sum(r["with_shift"]["values"]))
         rate = cell(r, "level_shift_episodes", "{:.2f}") if shifted else "0"
         lines.append(f"| {label}{f' ({n} seeds)' if n != 8 else ''} | {shifted} of {n} | {rate} "
@@ -338,79 +367,77 @@ def readme_summary(rows: list[dict]) -> str:
 
 
 def evidence_markdown(rows: list[dict]) -> str:
-    """The evidence table (rates per 1,000 steps after S1, mean [95% bootstrap interval] over
-    seeds), the old rules' counts beside it, and each row's recovery survival table."""
+    """The evidence table (rates per 1,000 steps after the parting step, mean [95% bootstrap
+    interval] over seeds), each row with shifts in its recovery table, the guard's counts. A row
+    whose every figure equals an earlier row's (the same curves trained again) is named, not
+    repeated."""
     if not rows:
         return "the 8-seed baseline and its QK-Norm twin have not both run yet"
 
     def cell(r, key, fmt="{:.2f}"):
         lo, hi = r[key]["ci"]
         return f"{fmt.format(r[key]['mean'])} [{fmt.format(lo)}, {fmt.format(hi)}]"
-    name = {"story8": "baseline", "story8-qk": "QK-Norm from scratch",
-            "story8-rerun": "baseline again (final code)"}
-    lines = ["| run | seeds | seeds with a level-shift episode | level-shift episodes / 1k "
-             "steps | instability episodes / 1k steps (not a hard batch) | all episodes / 1k "
-             "steps (hard batches in all) | seeds with a shift not back at the end: to its own "
-             "level / against the twin | held-out (nats/byte): the last 1,000 steps' evals "
-             "(the last eval alone) | max attn logit | old rules: spikes, shifts, \"never\" per "
-             "seed |", "|---" * 10 + "|"]
+
+    def name(r):
+        return r["group"]
+    keys = ("level_shift_episodes", "episodes", "eval", "eval_last", "max_logit")
+    same, kept = {}, []
     for r in rows:
+        twin = next((k for k in kept if all(k[x]["values"] == r[x]["values"] for x in keys)),
+                    None)
+        if twin is None:
+            kept.append(r)
+        else:
+            same.setdefault(twin["group"], []).append(name(r))
+    lines = ["| row | seeds | with a level shift | level-shift episodes / 1k steps | all "
+             "episodes / 1k steps (hard batches) | a shift not back at the end | held-out "
+             "(the last eval) | max attn logit |", "|---" * 8 + "|"]
+    for r in kept:
         twin = r["group"] == "story8-qk"
         lines.append(
-            f"| {name.get(r['group'], r['group'].removeprefix('story8-'))} | {len(r['seeds'])} | "
-            f"{cell(r, 'with_shift', '{:.0%}')} | {cell(r, 'level_shift_episodes')} | "
-            f"{'(the twin)' if twin else cell(r, 'instability_episodes')} | "
-            f"{cell(r, 'episodes')} ({'—' if twin else int(sum(r['hard_batches']['values']))}) | "
-            f"{cell(r, 'unrecovered', '{:.0%}')} / "
+            f"| {name(r)} | {len(r['seeds'])} | {cell(r, 'with_shift', '{:.0%}')} | "
+            f"{cell(r, 'level_shift_episodes')} | {cell(r, 'episodes')} "
+            f"({'—' if twin else int(sum(r['hard_batches']['values']))}) | "
             f"{'—' if twin else cell(r, 'unrecovered_twin', '{:.0%}')} | "
             f"{cell(r, 'eval', '{:.3f}')} ({np.mean(r['eval_last']['values']):.3f}) | "
-            f"{cell(r, 'max_logit', '{:,.0f}')} | "
-            f"{np.mean(r['old_spikes']['values']):.1f}, {np.mean(r['old_shifts']['values']):.1f}, "
-            f"{np.mean(r['old_never']['values']):.1f} |")
-    lines.append("\nRecovery of the level shifts, share not back after k steps (at risk; a "
-                 "shift whose run ended first is censored): by the old rule, back within "
-                 "max(0.05 nats, the smoothed loss's noise) of the level before (the shift's own "
-                 "end), against the rule fixed since, back where the smoothed gap to the QK-Norm "
-                 "twin (same seed, same data) closes to within max(0.05, its noise) of the gap "
-                 "before the shift:\n")
-    ks = [x["k"] for x in rows[0]["survival"]]
-    lines += ["| run | shifts; censored (their follow-up, steps): own level / vs twin | "
-              + " | ".join(f"k = {k}: own level / vs twin" for k in ks) + " |",
-              "|---" * (2 + len(ks)) + "|"]
+            f"{cell(r, 'max_logit', '{:,.0f}')} |")
+    if same:
+        lines.append("\nThe same curves, every figure equal: "
+                     + "; ".join(f"{', '.join(v)} = {k}" for k, v in same.items()) + ".")
+    shifted = [r for r in kept if any(p["recoveries_twin"] for p in r["per_seed"])]
+    ks = [x["k"] for x in rows[0]["survival_twin"]]
+    lines += ["\nRecovery: the share of level shifts not back k steps later (back: the smoothed "
+              "gap to the QK-Norm twin within max(0.05 nats, its noise) of the gap before the "
+              "shift; in brackets the shifts still followed):\n",
+              "| row | shifts; censored (their follow-up, steps) | "
+              + " | ".join(f"k = {k}" for k in ks) + " |", "|---" * (2 + len(ks)) + "|"]
 
     def share(x):
         return "—" if not x["at_risk"] else f"{x['share_not_back']:.0%} ({x['at_risk']})"
-    for r in rows:
-        if r["group"] == "story8-qk":
-            continue
+    for r in shifted:
         n = sum(len(p["recoveries_twin"]) for p in r["per_seed"])
-        cens = [f"{len(c)}" + (f" ({', '.join(map(str, c))})" if c else "")
-                for c in (r["censored"], r["censored_twin"])]
-        lines.append(f"| {name.get(r['group'], r['group'].removeprefix('story8-'))} | {n}; "
-                     f"{cens[0]} / {cens[1]} | "
-                     + " | ".join(f"{share(a)} / {share(b)}" for a, b in
-                                  zip(r["survival"], r["survival_twin"])) + " |")
+        c = r["censored_twin"]
+        lines.append(f"| {name(r)} | {n}; {len(c)}"
+                     + (f" ({', '.join(map(str, c))})" if c else "") + " | "
+                     + " | ".join(share(x) for x in r["survival_twin"]) + " |")
     guarded = {g.name: dict(g.guard) for g in EVIDENCE_GROUPS if g.guard}
-    for r in rows:
+    for r in kept:
         if r.get("guard"):
             gd = r["guard"]
             share = [x / gd["run_steps"] for x in gd["recomputed_steps"]]
             at = [s for s in gd["escalated_at"] if s >= 0]
             lines.append(
-                f"\n{name.get(r['group'], r['group'].removeprefix('story8-'))}: "
-                f"{np.mean(gd['guard_actions']):.1f} guard actions per seed "
+                f"\n{name(r)}: {np.mean(gd['guard_actions']):.1f} guard actions per seed "
                 f"({min(gd['guard_actions'])}-{max(gd['guard_actions'])}), steps computed again "
                 f"{min(share):.1%}-{max(share):.1%} of the run's (mean {np.mean(share):.1%}); "
                 f"escalated to {ESCALATED_TO[guarded[r['group']]['escalate']]} "
                 f"in {len(at)} of {len(gd['escalated_at'])} seeds"
                 + (f" (from steps {', '.join(f'{s:,}' for s in sorted(at))})" if at else "")
-                + (f"; level shifts taken as the data's: {sum(gd['data_records'])} "
-                   f"({', '.join(map(str, gd['data_records']))} per seed)"
+                + (f"; level shifts taken as the data's: {sum(gd['data_records'])}"
                    if "data_records" in gd else "") + ".")
     cpus = sorted({r["cpu"] for r in rows})
     lines.append(f"\nRan on: {'; '.join(cpus)}. Intervals: 95% percentile bootstrap over seeds "
-                 "(10,000 resamples, fixed RNG). A difference is called only where two "
-                 "intervals do not overlap.")
+                 "(10,000 resamples, fixed RNG).")
     return "\n".join(lines)
 
 

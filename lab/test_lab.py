@@ -9,6 +9,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 import checkpoint as C
+import config as CF
 import report as R
 import train as T
 from lab import breaks as BR
@@ -137,6 +139,17 @@ def test_the_bootstrap_interval_is_fixed_and_holds_the_mean():
 
 # ---------------------------------------------------------------------------------------------
 # lab/rows.py and lab/experiments.py: the rows, the train.py rows' runs and results
+
+def test_the_teach_preset_is_the_teach8_row_that_was_measured():
+    """The README's recipe trains `python train.py teach`: its model, optimizer, data and steps
+    are the stored teach8 row's (8 of 8 seeds shift), and its checkpoints fall every 100 steps,
+    so a warm start can begin before a shift at step ~400."""
+    row, preset = RW.TEACH8.config(), CF.PRESETS["teach"]
+    assert (row.model, row.optim, row.data, row.steps) == (
+        preset.model, preset.optim, preset.data, preset.steps)
+    assert RW.twin(RW.TEACH8).config().model == dataclasses.replace(preset.model, qk_norm=True)
+    assert preset.checkpoint_every == 100 and preset.keep_checkpoints * 100 >= preset.steps
+
 
 def test_each_experiment_row_names_its_baseline_source_and_figure(tmp_path):
     """Adding a lever is one row: its baseline, its source and its panels are declared on it,
@@ -640,8 +653,13 @@ def test_the_evidence_counts_episodes_by_the_fixed_rules_from_the_stored_curves(
     inserted = rows["story8-qk-inserted"]
     assert [p["from"] for p in inserted["per_seed"]] == [750] * 3
     assert inserted["episodes"]["mean"] == 0.0  # the twin's steps, spliced: no event
-    assert "| baseline | 3 | 100% [100%, 100%] | 2.00 [2.00, 2.00] | 4.00 [4.00, 4.00] | 6.00 " \
-        "[6.00, 6.00] (3) |" in TB.evidence_markdown(list(rows.values()))
+    again = dict(base, group="story8-probed")  # the same curves trained again: named, once
+    text = TB.evidence_markdown([*rows.values(), again])
+    assert "| story8 | 3 | 100% [100%, 100%] | 2.00 [2.00, 2.00] | 6.00 [6.00, 6.00] (3) |" in text
+    assert "every figure equal: story8-probed = story8." in text and "| story8-probed" not in text
+    recovery = text[text.index("Recovery"):]
+    assert "| story8 | 3; 3 (19" in recovery and "| 100% (3) | — | — | — |" in recovery
+    assert "| story8-qk-" not in recovery  # no shift: no row
 
 
 def test_the_lr_sweep_reads_final_losses_and_lr_sensitivity_per_seed(tmp_path, monkeypatch):
@@ -856,19 +874,31 @@ def test_the_zloss_table_reads_the_output_logits_from_the_stored_curves(tmp_path
     assert len(stored) == 6 and stored[1]["final"][2] is None  # the non-finite seed: null
 
 
+def test_the_readmes_links_into_the_results_land_on_a_section():
+    """Each finding in the README links to its section of results/README.md: every
+    `results/README.md#anchor` there is the GitHub anchor of one of that file's headings."""
+    root = pathlib.Path(__file__).parent.parent
+    headings = re.findall(r"^#+ (.+)$", (root / "results/README.md").read_text(), re.M)
+    anchors = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+    links = re.findall(r"results/README\.md#([\w\-]+)", (root / "README.md").read_text())
+    assert len(links) >= 5 and set(links) <= anchors, set(links) - anchors
+
+
 def test_the_stored_tables_are_recomputed_from_the_stored_curves_digit_for_digit():
-    """results/README.md's harness tables (and the README's cut of the lever table), recomputed
-    from results/search.json and the curves as stored (each kept to what curve_arrays keeps),
-    equal the text printed there; results/ stays under 60 MB. (The evidence table takes a
-    minute: python -m lab.experiments --evidence.)"""
+    """results/README.md's harness tables and the README's six evidence rows, recomputed from
+    results/search.json and the curves as stored (each kept to what curve_arrays keeps), equal
+    the text printed there; results/ stays under 60 MB. (The whole evidence table takes a
+    minute: python -m lab.experiments --evidence; the early-warning table: python -m
+    lab.foresight.)"""
     root = pathlib.Path(__file__).parent.parent
     record = STO.load()
     for readme, part, table in (
             *[("results/README.md", part, table) for part, table in (
-                ("levers", TB.levers_markdown), ("lr-sweep", BR.sweep_markdown),
                 ("widths", BR.widths_markdown), ("zloss", BR.zloss_markdown),
-                ("knobs", BR.knobs_markdown), ("lever-breaks", BR.lever_breaks_markdown))],
-            ("README.md", "lever-breaks", BR.lever_breaks_top)):
+                ("knobs", BR.knobs_markdown), ("lever-breaks", BR.lever_breaks_markdown),
+                ("teach", TB.teach_markdown))],
+            ("README.md", "evidence-summary", lambda r: TB.readme_summary(
+                TB.evidence_rows(r, only={name for name, _ in RW.README_ROWS})))):
         text = (root / readme).read_text()
         start = f"<!-- {part}: written by lab/experiments.py -->\n"
         stored = text[text.index(start) + len(start):text.index(f"<!-- /{part} -->")]
