@@ -420,6 +420,17 @@ HYPERBALL_ROWS = [dataclasses.replace(EVIDENCE, name=name, qk_norm=qk, lrs=lrs, 
                        "beta2 from the batch (0.9999), no QK-Norm"),
                       ("story8-adamh-switched", False, (0.07,), ADAMH + REWARM, "story8",
                        "AdamH switched on mid-run"))]
+# The switch needs its source's kept states (runs/search/, not committed), and story8's forks
+# are bitwise only on the CPU model it ran on (AMD EPYC). On another model: the baseline trained
+# again there with its states kept ("-xeon": an Intel Xeon), then QK-Norm inserted and AdamH
+# switched on at the same forks of those runs (fork_steps' rule, the same re-warmup), so the
+# two rescues compare on the same runs. Declared before any of the three ran.
+XEON = dataclasses.replace(EVIDENCE, name="story8-xeon", label="")
+HYPERBALL_ROWS += [XEON, dataclasses.replace(
+    EVIDENCE, name="story8-xeon-qk-inserted", qk_norm=True, fork=XEON.name, snapshot_every=0,
+    compare_with="story8-qk", optim=REWARM, label="QK-Norm inserted mid-run (Xeon's forks)"),
+    dataclasses.replace(HYPERBALL_ROWS[3], name="story8-xeon-adamh-switched", fork=XEON.name,
+                        label="AdamH switched on mid-run (Xeon's forks)")]
 EVIDENCE_GROUPS += HYPERBALL_ROWS  # judged by the story's rules, in its tables
 # The break under AdamH at d_model 32 (3 seeds, the knob table's rules), with and without
 # QK-Norm: the angle in half decades from 1e-3 to 1, around Levanter's rule at width32's best
