@@ -3557,6 +3557,45 @@ def test_a_run_initialised_from_a_hf_folder_starts_from_its_weights(straight_run
 
 
 # ---------------------------------------------------------------------------------------------
+# bench/peer.py: the eager torch step the benchmark sets beside train.py's
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_the_torch_peer_is_the_same_model_and_optimizer(qk_norm, tiny_tokens):
+    """bench/peer.py's eager torch, from the same initial parameters: the loss and every
+    gradient of model.loss_fn to float rounding, and after one step of its AdamW (clipped, at
+    optim.lr_schedule's LR) the parameters of the optimizer make_tx builds, the spike levers
+    off. Skipped where torch is not installed (bench/peer.py says how)."""
+    torch = pytest.importorskip("torch")
+    from bench import peer
+    cfg = tiny(**{"model__qk_norm": qk_norm, "model__scan_layers": True,  # a clip that acts,
+                  "optim__max_grad_norm": 1e-3, "optim__weight_decay": 0.5})  # a decay to see
+    params = M.init_params(cfg.model, jax.random.key(cfg.seed))
+    with jax.set_mesh(mesh_of(1, 1)):
+        loss, grads = jax.jit(jax.value_and_grad(
+            lambda p: M.loss_fn(p, tiny_tokens, cfg.model)[0]))(params)
+    p = peer.torch_params(params)
+    tloss = peer.loss_fn(p, torch.from_numpy(tiny_tokens.astype(np.int64)), cfg.model)
+    tloss.backward()
+    assert tloss.item() == pytest.approx(float(loss), rel=1e-6)
+    flat = peer.torch_params(grads)
+    for k, g in flat.items():
+        np.testing.assert_allclose(p[k].grad.numpy(), g.detach().numpy(), rtol=2e-4,
+                                   atol=1e-7, err_msg=k)
+    opt, lrs = peer.optimizer(p, cfg, cfg.steps)
+    for group in opt.param_groups:
+        group["lr"] = float(lrs[0])
+    torch.nn.utils.clip_grad_norm_(list(p.values()), cfg.optim.max_grad_norm)
+    opt.step()
+    tx = CF.make_tx(cfg)
+    updates, _ = tx.update(grads, tx.init(params), params, step=jnp.zeros((), jnp.int32),
+                           loss=loss)
+    for k, x in peer.torch_params(optax.apply_updates(params, updates)).items():
+        # (Adam's first step divides by |g|: a gradient near 0 moves by float rounding x LR)
+        np.testing.assert_allclose(p[k].detach().numpy(), x.detach().numpy(), rtol=1e-5,
+                                   atol=lrs[0] * 5e-4, err_msg=k)
+
+
+# ---------------------------------------------------------------------------------------------
 # sample.py: text from a checkpoint
 
 def test_greedy_sampling_is_deterministic_and_starts_with_the_forward_argmax(straight_run,
@@ -3788,7 +3827,7 @@ CORE = ["cli", "compat", "attention", "model", "optim", "data", "tracking", "dis
         "warmstart", "sample"]
 LAB = ["lab.stats", "lab.rows", "lab.harness", "lab.probe", "lab.tables", "lab.breaks",
        "lab.figures", "lab.search", "lab.experiments", "lab.foresight", "lab.coord", "lab.spread",
-       "lab.store", "bench.bench"]
+       "lab.store", "bench.bench", "bench.peer"]
 PROJECT = CORE + LAB
 
 

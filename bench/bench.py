@@ -6,6 +6,8 @@
                                          # writes bench/results-story.json
     python -m bench.bench --harness      # the harness per member-step (~10 minutes);
                                          # writes bench/results-harness.json
+    python -m bench.bench --torch        # train.py's step beside eager PyTorch's (~3 minutes);
+                                         # writes bench/results-torch.json
     python -m bench.bench --accelerator  # one GPU: a 0.9B model at seq 4,096 in bf16 (~2 min);
                                          # writes bench/results-gpu.json
 
@@ -66,6 +68,7 @@ import model as M
 import optim as O
 import train as T
 import warmstart as W
+from bench import peer
 from cli import command, parse
 from config import PRESETS, TrainConfig, config_from_dict, make_tx
 from data import DataConfig
@@ -169,6 +172,13 @@ def worker() -> None:
         for _ in sys.stdin:
             reply(time_matmuls(fns))
         return
+    if spec["kind"] == "torch":  # bench/peer.py's eager step
+        cfg = config_from_dict(spec["config"])
+        run = peer.timer(cfg, bench_tokens(cfg))
+        reply({"first_step_s": run.first_step_s})
+        for line in sys.stdin:
+            reply(run(int(line)))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         if spec["kind"] == "step":
             timer = variant_timer(spec, pathlib.Path(tmp) / "a")
@@ -188,6 +198,12 @@ def worker() -> None:
             reply([ta, tb])
 
 
+def bench_tokens(cfg) -> np.ndarray:
+    """The one batch every timed step trains on, [B, T+1] random tokens (fixed RNG)."""
+    return np.random.default_rng(0).integers(
+        0, cfg.model.vocab_size, (cfg.data.batch_size, cfg.data.seq_len + 1)).astype(np.int32)
+
+
 def variant_timer(spec: dict, tmp: pathlib.Path):
     """run(n) -> seconds per step over n steps of spec's variant, after one compiling step: its
     own state and compiled step; with "save", one async orbax save before the n steps (its
@@ -195,9 +211,7 @@ def variant_timer(spec: dict, tmp: pathlib.Path):
     cfg = config_from_dict(spec["config"])
     mesh = make_mesh(cfg.mesh)
     with jax.set_mesh(mesh):
-        tokens = jax.device_put(np.random.default_rng(0).integers(
-            0, cfg.model.vocab_size, (cfg.data.batch_size, cfg.data.seq_len + 1)).astype(
-            np.int32), jax.NamedSharding(mesh, jax.P("data")))
+        tokens = jax.device_put(bench_tokens(cfg), jax.NamedSharding(mesh, jax.P("data")))
         tx = plain_adamw(cfg.optim, cfg.steps, M.decay_mask(cfg.model)) if spec["plain_adamw"] \
             else make_tx(cfg)
         t = time.perf_counter()
@@ -427,6 +441,7 @@ class BenchArgs:
     harness: bool = False  # the harness per member-step (~10 minutes)
     against: str | None = None  # with --harness: an older checkout whose harness to time too
     accelerator: bool = False  # one GPU instead: a 0.9B model at seq 4,096 in bfloat16
+    torch: bool = False  # train.py's step beside eager PyTorch's (bench/peer.py), ~3 minutes
     # the results file (default bench/results.json; bench/results-story.json with --story,
     # bench/results-gpu.json with --accelerator)
     out: str | None = None
@@ -445,6 +460,8 @@ def main(argv: list[str]) -> int:
         return accelerator_main(args)
     if args.story:
         return story_main(args)
+    if args.torch:
+        return torch_main(args)
     cfg = PRESETS["cpu"]
     load = os.getloadavg()[0]
     wall, busy, own = time.perf_counter(), cpu_busy_seconds(), own_cpu_seconds()
@@ -789,6 +806,61 @@ def story_main(args) -> int:
               "CPU while the steps were timed: these figures are not from an idle machine")
     out = pathlib.Path(args.out or "bench/results-story.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(r, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# bench.py --torch: train.py's step beside the eager PyTorch a user would write instead
+
+TORCH_STEPS = {"cpu": 3, "story": 30}  # steps a turn: ~2 s each
+
+
+def torch_main(args) -> int:
+    """train.py's step (reading each step's metrics, as its loop does) and bench/peer.py's eager
+    torch step of the same model, optimizer and batch, on the cpu and story presets: each in its
+    own process, taking turns; tokens/s of each and their ratio per round, medians."""
+    if peer.torch is None:
+        print("--torch: skipped, torch is not installed (its CPU wheel: pip install torch "
+              "--index-url https://download.pytorch.org/whl/cpu)")
+        return 0
+    wall, busy, own = time.perf_counter(), cpu_busy_seconds(), own_cpu_seconds()
+    r = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                     "cpu": machine()["cpu"], "jax": jax.__version__,
+                     "torch": peer.torch.__version__,
+                     "torch_threads": peer.torch.get_num_threads()}, "rounds": args.rounds}
+    for preset, n in TORCH_STEPS.items():
+        cfg = PRESETS[preset]
+        tokens = cfg.data.batch_size * cfg.data.seq_len
+        print(f"{preset}: compiling train.py's step and torch's first step", flush=True)
+        workers = [Worker("spikefix", step_spec(cfg, read=True)),
+                   Worker("torch", {"kind": "torch", "config": dataclasses.asdict(cfg)})]
+        for w in workers:
+            w.wait_ready()
+        rounds = []
+        try:
+            for i in range(args.rounds):  # alternately first
+                order = workers if i % 2 == 0 else workers[::-1]
+                t = {w.name: w.time(n) for w in order}
+                rounds.append((t["spikefix"], t["torch"]))
+        finally:
+            for w in workers:
+                w.close()
+        jx, pt = (statistics.median(x) for x in zip(*rounds))
+        ratio = [b / a for a, b in rounds]  # spikefix's tokens/s over torch's, each round
+        r[preset] = {"spikefix_step_s": jx, "torch_step_s": pt, "spikefix_tokens_per_s":
+                     tokens / jx, "torch_tokens_per_s": tokens / pt, "rounds_s": rounds,
+                     "ratio": statistics.median(ratio), "ratio_range": [min(ratio), max(ratio)]}
+        print(f"  train.py's step {jx * 1e3:.1f} ms ({tokens / jx:,.0f} tok/s); eager torch "
+              f"{pt * 1e3:.1f} ms ({tokens / pt:,.0f} tok/s): {statistics.median(ratio):.2f}x "
+              f"(rounds {min(ratio):.2f}-{max(ratio):.2f}; {r['machine']['cpu']})", flush=True)
+    other = (cpu_busy_seconds() - busy) - (own_cpu_seconds() - own)
+    r["other_processes_cpu_fraction"] = other / ((time.perf_counter() - wall) * os.cpu_count())
+    if r["other_processes_cpu_fraction"] > 0.05:
+        print(f"WARNING: other processes used {r['other_processes_cpu_fraction']:.0%} of the "
+              "CPU while the steps were timed: these figures are not from an idle machine")
+    out = pathlib.Path(args.out or "bench/results-torch.json")
     out.write_text(json.dumps(r, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
