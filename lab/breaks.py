@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 
+from lab import store
 from lab.rows import (
     HARNESS_ROWS,
     KNOBS,
@@ -111,6 +112,17 @@ def members_by_lr(record: dict, name: str) -> dict[float, list[dict]]:
     return by_lr
 
 
+def final_eval(name: str, m: dict) -> float:
+    """A member's last held-out eval (NaN where it went non-finite): its stored curve's float32
+    value, where the curve is stored; the record rounds to 4 decimals, where two LRs can tie."""
+    if not m["finite"]:
+        return math.nan
+    member = f"lr{m['lr']:g}-seed{m['seed']}"
+    if (store.SEED_CURVES / name / f"{member}.npz").is_file():
+        return float(read_curve(name, member)["eval_loss"][-1])
+    return m["eval_loss"][-1]
+
+
 def grid(record: dict, names) -> dict | None:
     """One arm over an LR grid, its groups' members (`names`, run so far) pooled by LR: per LR
     the seeds' held-out loss at the end (NaN where the run went non-finite) and whether each
@@ -121,12 +133,12 @@ def grid(record: dict, names) -> dict | None:
     by_lr: dict = {}
     for name in names:
         if name in record["groups"]:
-            by_lr |= members_by_lr(record, name)
+            by_lr |= {lr: [dict(m, final=final_eval(name, m)) for m in ms]
+                      for lr, ms in members_by_lr(record, name).items()}
     if not by_lr:
         return None
     lrs = sorted(by_lr)
-    final = {lr: [m["eval_loss"][-1] if m["finite"] else math.nan for m in by_lr[lr]]
-             for lr in lrs}
+    final = {lr: [m["final"] for m in by_lr[lr]] for lr in lrs}
     broke = {lr: [bool(m["shift_steps"]) or not m["finite"] for m in by_lr[lr]] for lr in lrs}
     means = [np.mean(final[lr]) if np.all(np.isfinite(final[lr])) else math.inf for lr in lrs]
     best = lrs[int(np.argmin(means))]

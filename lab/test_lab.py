@@ -744,6 +744,24 @@ def test_the_widths_table_finds_the_best_and_the_break_lr_per_width(tmp_path, mo
     assert stored["widths"][0]["final"]["1.0"] == [None] * 3  # diverged: null, not NaN
 
 
+def test_the_best_lr_is_read_from_the_curves_float32_evals_not_the_rounded_record(
+        tmp_path, monkeypatch):
+    """Two LRs whose held-out ties at the record's 4 decimals (1.3146) but not in the stored
+    float32 curve (width128's seed 0: 1.314618 at 1e-3, 1.314571 at 3e-3): the seed's best is
+    the lower float, 3e-3, not the first LR of the tie; without curves the record's value."""
+    monkeypatch.setattr(STO, "SEED_CURVES", tmp_path)
+    (tmp_path / "w").mkdir()
+    for lr, x in ((1e-3, 1.314618), (3e-3, 1.314571)):
+        np.savez(tmp_path / "w" / f"lr{lr:g}-seed0.npz", eval_loss=np.array([2.0, x], np.float32))
+    record = {"groups": {"w": {"members": [
+        {"lr": lr, "seed": 0, "finite": True, "eval_loss": [2.0, 1.3146], "shift_steps": [],
+         "max_attn_logit": 10.0} for lr in (1e-3, 3e-3)]}}}
+    assert BR.grid(record, ["w"])["best_lr_seeds"] == [3e-3]
+    for f in tmp_path.glob("w/*.npz"):
+        f.unlink()
+    assert BR.grid(record, ["w"])["best_lr_seeds"] == [1e-3]  # the record's tie: its first
+
+
 def test_the_knob_and_lever_tables_read_the_distance_and_the_break_ratio_per_seed():
     """Planted d_model 32 members: the proxy as it is breaks at 0.3 (seeds 0, 2) and 0.1
     (seed 1) with its best at 3e-3; under beta2 0.999 the baseline breaks from 1e-2 in every
