@@ -119,7 +119,9 @@ def final_eval(name: str, m: dict) -> float:
         return math.nan
     member = f"lr{m['lr']:g}-seed{m['seed']}"
     if (store.SEED_CURVES / name / f"{member}.npz").is_file():
-        return float(read_curve(name, member)["eval_loss"][-1])
+        curve = read_curve(name, member)
+        if "eval_loss" in curve:
+            return float(curve["eval_loss"][-1])
     return m["eval_loss"][-1]
 
 

@@ -762,13 +762,16 @@ def test_the_best_lr_is_read_from_the_curves_float32_evals_not_the_rounded_recor
     assert BR.grid(record, ["w"])["best_lr_seeds"] == [1e-3]  # the record's tie: its first
 
 
-def test_the_knob_and_lever_tables_read_the_distance_and_the_break_ratio_per_seed():
+def test_the_knob_and_lever_tables_read_the_distance_and_the_break_ratio_per_seed(
+        tmp_path, monkeypatch):
     """Planted d_model 32 members: the proxy as it is breaks at 0.3 (seeds 0, 2) and 0.1
     (seed 1) with its best at 3e-3; under beta2 0.999 the baseline breaks from 1e-2 in every
     seed (half a decade above its best) while its QK-Norm twin never does: the goal's verdict.
     Under eps 1e-15 the best sits at the grid's lowest LR: the distance a lower bound, no verdict.
     QK-Norm's break is read over width32-qk and width32-qk-high pooled (at 3), a lever that
     breaks at its grid's lowest LR reads "<=", one that never breaks "> its highest"."""
+    monkeypatch.setattr(STO, "SEED_CURVES", tmp_path)  # the planted held-out, no curves
+
     def members(lrs, brk, best=3e-3):  # brk: each seed's first LR with a shift (None: none)
         return {"members": [{"lr": lr, "seed": s, "finite": True,
                              "eval_loss": [5.0, 1.5 + abs(np.log10(lr / best))],
