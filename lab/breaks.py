@@ -260,6 +260,7 @@ def knob_rows(record: dict) -> list[dict]:
     rows = []
     for tag, names in [("as it is", ("width32", "width32-qk"))] + [
             (tag, (f"width32-{tag}", f"width32-{tag}-qk")) for tag in (*KNOBS, *KNOBS_COSTLY)] + [
+            ("adamh (its LR an angle)", ("width32-adamh", "width32-adamh-qk")),
             (D64 + "as it is", ("width64", "width64-qk")),
             (D64 + "wd0", ("width64-wd0", "width64-wd0-qk")),
             (D64 + MUP, ("width64-mup", "width64-qk-mup")),
