@@ -68,6 +68,7 @@ class WarmStartArgs:
     # re-warmed, Marin's way of training on a run whose LR has decayed (--steps beyond it)
     insert: Literal["qk-norm", "attn-gate", "qk-norm+attn-gate", "none"] = "qk-norm"
     no_train: tyro.conf.FlagCreatePairsOff[bool] = False  # convert and stop
+    verbose: tyro.conf.FlagCreatePairsOff[bool] = False  # list every carried leaf too
 
 
 def parse_args(argv: list[str]) -> tuple[WarmStartArgs, list[str]]:
@@ -75,7 +76,7 @@ def parse_args(argv: list[str]) -> tuple[WarmStartArgs, list[str]]:
         return parse(WarmStartArgs, argv, return_unknown_args=True, description=__doc__)
     except UserError as e:
         raise UserError(f"{e} (usage: warmstart.py --from RUN --to NEW_RUN [--step S] "
-                        "[--rewarmup-steps K] [--rewarmup-from-ratio R] [--no-train] "
+                        "[--rewarmup-steps K] [--rewarmup-from-ratio R] [--no-train] [--verbose] "
                         "[train.py flags])") from None
 
 
@@ -225,8 +226,10 @@ def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> TrainCon
         loss_before = float(train.make_eval_step(src_cfg)(source["params"], tokens))
         loss_after = float(train.make_eval_step(cfg)(state["params"], tokens))
 
-    print(f"{'leaf':<64} {'shape':<20} status")
-    for rows, status in ((carried, "carried"), (new, "NEW"), (dropped, "dropped")):
+    shown = ((carried, "carried"),) * args.verbose + ((new, "NEW"), (dropped, "dropped"))
+    if any(rows for rows, _ in shown):
+        print(f"{'leaf':<64} {'shape':<20} status")
+    for rows, status in shown:
         for key, shape in rows:
             print(f"{key:<64} {str(list(shape)):<20} {status}")
     lr_before = float(lr_schedule(src_cfg.optim, src_cfg.steps)(step))
