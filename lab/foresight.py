@@ -223,14 +223,12 @@ def chance(base: dict[int, dict]) -> float:
 
 def markdown(rows: list[dict], n_onsets: int, n_seeds: int, at_chance: float) -> str:
     lines = [f"Level-shift episodes after the warmup: {n_onsets} in {n_seeds} baseline seeds. "
-             "AUROC of \"an episode starts within the next k steps\" over the baseline's own "
-             "steps after the warmup (all seeds pooled; 95% interval of the per-seed AUROC over "
-             "the seeds with an episode). At the threshold chosen on seeds 0-3 (at most 0.5 "
-             "alarms per 1,000 steps in the QK-Norm twin), on seeds 4-7: episodes with the "
-             "signal above it in the 500 steps before them, the lead time, alarms per 1,000 "
-             "steps in the QK-Norm twin (where no episode comes) and in the baseline, and the "
-             "baseline's alarms followed by an episode within 500 steps (an alarm at a random "
-             f"step would be, {at_chance:.0%} of the time).\n",
+             "AUROC: of \"an episode starts within k steps\", over the baseline's steps after "
+             "the warmup (seeds pooled; 95% interval over the seeds with an episode). The "
+             "threshold: chosen on seeds 0-3 for at most 0.5 alarms per 1,000 steps in the "
+             "QK-Norm twin; on seeds 4-7, the episodes with the signal above it in the 500 "
+             "steps before, the lead, the alarms per 1,000 steps (twin, baseline) and those "
+             f"followed by an episode within 500 steps (at random: {at_chance:.0%}).\n",
              "| signal | AUROC k=50 | k=200 | k=500 | threshold | detected (seeds 4-7) | lead "
              "median (range), steps | alarms / 1k steps, QK-Norm | alarms / 1k steps, "
              "baseline | alarms followed by an episode |",
