@@ -614,7 +614,11 @@ def spectral_entropy(w) -> jax.Array:
 
 # ---------------------------------------------------------------------------------------------
 # Beyond the card: Hyperball (Wen, Dang, Lyu, Ma, Liang, "Hyperball Optimization", 2025),
-# Levanter's adamH and marin's grug optimizers: what Marin runs after the 32B
+# Levanter's adamH and marin's grug optimizers: what Marin runs after the 32B. As there: the
+# matrices of the parameter table (decay_mask's leaves: projections, MLP, LM head) on their
+# spheres; the embedding and the norms' scales on plain Adam at --optim.adam-lr (Levanter's
+# adam_lr), on the same schedule; no weight decay (the sphere fixes each norm); MuonH takes
+# Muon's direction for the hidden matrices and Adam's for the LM head (marin's grug split).
 
 class HyperballState(NamedTuple):
     radius: optax.Params  # each matrix's norm where it started (per stacked layer); 0 the rest
