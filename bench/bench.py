@@ -286,6 +286,23 @@ def own_cpu_seconds() -> float:
                                                   resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
+def other_cpu(r: dict, wall: float, busy: float, own: float) -> None:
+    """r["other_processes_cpu_fraction"]: the share of the machine's CPU other processes took
+    since (wall, busy, own) were read; a warning above 5%."""
+    other = (cpu_busy_seconds() - busy) - (own_cpu_seconds() - own)
+    r["other_processes_cpu_fraction"] = other / ((time.perf_counter() - wall) * os.cpu_count())
+    if r["other_processes_cpu_fraction"] > 0.05:
+        print(f"WARNING: other processes used {r['other_processes_cpu_fraction']:.0%} of the "
+              "CPU while the steps were timed: these figures are not from an idle machine")
+
+
+def write_json(r: dict, out: str) -> None:
+    path = pathlib.Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(r, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
 def step_spec(c, plain_adamw=False, save=False, read=False) -> dict:
     """A step variant for variant_timer (and a worker): config c, optionally with plain AdamW
     + clip instead of make_tx's chain, with an orbax save before each turn, or reading each
@@ -855,14 +872,8 @@ def torch_main(args) -> int:
         print(f"  train.py's step {jx * 1e3:.1f} ms ({tokens / jx:,.0f} tok/s); eager torch "
               f"{pt * 1e3:.1f} ms ({tokens / pt:,.0f} tok/s): {statistics.median(ratio):.2f}x "
               f"(rounds {min(ratio):.2f}-{max(ratio):.2f}; {r['machine']['cpu']})", flush=True)
-    other = (cpu_busy_seconds() - busy) - (own_cpu_seconds() - own)
-    r["other_processes_cpu_fraction"] = other / ((time.perf_counter() - wall) * os.cpu_count())
-    if r["other_processes_cpu_fraction"] > 0.05:
-        print(f"WARNING: other processes used {r['other_processes_cpu_fraction']:.0%} of the "
-              "CPU while the steps were timed: these figures are not from an idle machine")
-    out = pathlib.Path(args.out or "bench/results-torch.json")
-    out.write_text(json.dumps(r, indent=2) + "\n")
-    print(f"wrote {out}")
+    other_cpu(r, wall, busy, own)
+    write_json(r, args.out or "bench/results-torch.json")
     return 0
 
 
@@ -927,17 +938,11 @@ def harness_main(args) -> int:
     if args.against:
         r["member_step_s"][f"older harness ({args.against}, its story group)"] = \
             older_harness_member_step(pathlib.Path(args.against))
-    other = (cpu_busy_seconds() - busy) - (own_cpu_seconds() - own)
-    r["other_processes_cpu_fraction"] = other / ((time.perf_counter() - wall) * os.cpu_count())
     print(f"\nthe search harness on the story preset, ms per member-step ({r['machine']['cpu']}):")
     for k, v in r["member_step_s"].items():
         print(f"  {k:<56} {v * 1e3:6.1f}")
-    if r["other_processes_cpu_fraction"] > 0.05:
-        print(f"WARNING: other processes used {r['other_processes_cpu_fraction']:.0%} of the CPU "
-              "while it timed: not an idle machine")
-    out = pathlib.Path(args.out or "bench/results-harness.json")
-    out.write_text(json.dumps(r, indent=2) + "\n")
-    print(f"wrote {out}")
+    other_cpu(r, wall, busy, own)
+    write_json(r, args.out or "bench/results-harness.json")
     return 0
 
 
