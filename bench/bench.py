@@ -6,8 +6,11 @@
                                          # writes bench/results-story.json
     python -m bench.bench --harness      # the harness per member-step (~10 minutes);
                                          # writes bench/results-harness.json
-    python -m bench.bench --torch        # train.py's step beside eager PyTorch's (~3 minutes);
-                                         # writes bench/results-torch.json
+    python -m bench.bench --torch        # train.py's step beside eager PyTorch's, and the
+                                         # projections' matmuls alone (~5 minutes); writes
+                                         # bench/results-torch.json
+    OMP_NUM_THREADS=1 taskset -c 0 python -m bench.bench --torch --out FILE
+                                         # the same, both sides on one pinned core
     python -m bench.bench --accelerator  # one GPU: a 0.9B model at seq 4,096 in bf16 (~2 min);
                                          # writes bench/results-gpu.json
 
@@ -106,11 +109,15 @@ def matmul_fn(kind: str):
             "weight_grad": lambda x, dy: x.T @ dy}[kind]  # [m, k]^T x [m, n], over the tokens
 
 
+def operand_shapes(kind, m, k, n) -> tuple:
+    return {"forward": ((m, k), (k, n)), "input_grad": ((m, n), (k, n)),
+            "weight_grad": ((m, k), (m, n))}[kind]
+
+
 def matmul_operands(kind, m, k, n, dtype=jnp.float32, key=None):
     """Constant operands, or normal random ones given a key (a GPU multiplies constants faster
     than data, so its rates are measured on random operands)."""
-    shapes = {"forward": ((m, k), (k, n)), "input_grad": ((m, n), (k, n)),
-              "weight_grad": ((m, k), (m, n))}[kind]
+    shapes = operand_shapes(kind, m, k, n)
     if key is None:
         return [jnp.full(s, 0.5, dtype) for s in shapes]
     return [jax.random.normal(jax.random.fold_in(key, i), s, dtype) for i, s in enumerate(shapes)]
@@ -128,14 +135,18 @@ def projection_shapes(cfg) -> dict:
             for kind in ("forward", "input_grad", "weight_grad")}
 
 
-def compiled_matmuls(shapes: dict, dtype=jnp.float32, key=None) -> dict:
+def compiled_matmuls(shapes: dict, dtype=jnp.float32, key=None, torch=False) -> dict:
     """name -> (compiled matmul, operands, FLOPs) for each name "<...>/<kind>": (count, m, k, n),
-    compiled and run once."""
+    compiled and run once; with torch, eager torch's matmuls on float32 constants instead."""
     fns = {}
     for name, (_, m, k, n) in shapes.items():
         kind = name.split("/")[-1]
-        f, operands = jax.jit(matmul_fn(kind)), matmul_operands(kind, m, k, n, dtype, key)
-        f(*operands).block_until_ready()
+        if torch:
+            f = matmul_fn(kind)
+            operands = [peer.torch.full(s, 0.5) for s in operand_shapes(kind, m, k, n)]
+        else:
+            f, operands = jax.jit(matmul_fn(kind)), matmul_operands(kind, m, k, n, dtype, key)
+        jax.block_until_ready(f(*operands))
         fns[name] = (f, operands, 2 * m * k * n)
     return fns
 
@@ -154,7 +165,7 @@ def time_matmuls(fns, budget_s=0.15, rate_guess: float | None = 150e9) -> dict:
         t = time.perf_counter()
         for _ in range(reps):
             out = f(*args)
-        out.block_until_ready()
+        jax.block_until_ready(out)
         rates[name] = flops * reps / (time.perf_counter() - t)
     return rates
 
@@ -166,8 +177,8 @@ def worker() -> None:
         print("@" + json.dumps(value), flush=True)
     spec = json.loads(sys.stdin.readline())
     jax.monitoring.register_event_duration_secs_listener(count_compile)
-    if spec["kind"] == "matmul":
-        fns = compiled_matmuls(spec["shapes"])
+    if spec["kind"] in ("matmul", "torch_matmul"):
+        fns = compiled_matmuls(spec["shapes"], torch=spec["kind"] == "torch_matmul")
         reply("ready")
         for _ in sys.stdin:
             reply(time_matmuls(fns))
@@ -381,11 +392,19 @@ def run_rounds(cfg, seq_lens, rounds: int, steps_per_turn: int) -> dict:
 
 def matmul_mix_rate(cfg, rates: dict) -> float:
     """The FLOP rate of the step's own matmuls: their FLOPs over the time they took alone."""
-    flops = seconds = 0.0
-    for name, (count, m, k, n) in projection_shapes(cfg).items():
-        flops += count * 2 * m * k * n
-        seconds += count * 2 * m * k * n / rates[name]
-    return flops / seconds
+    shapes = projection_shapes(cfg)
+    flops = sum(count * 2 * m * k * n for count, m, k, n in shapes.values())
+    return flops / matmul_seconds(shapes, rates)["all"]
+
+
+def matmul_seconds(shapes: dict, rates: dict) -> dict:
+    """Seconds a step spends in the projections' matmuls of each kind (forward, input_grad,
+    weight_grad) and in all of them, at the measured rates (each matmul timed alone)."""
+    out = {}
+    for name, (count, m, k, n) in shapes.items():
+        for kind in (name.split("/")[-1], "all"):
+            out[kind] = out.get(kind, 0.0) + count * 2 * m * k * n / rates[name]
+    return out
 
 
 def temp_memory(cfg, seq: int, form: str) -> int:
@@ -844,34 +863,46 @@ def torch_main(args) -> int:
         return 0
     wall, busy, own = time.perf_counter(), cpu_busy_seconds(), own_cpu_seconds()
     r = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                     "cpu": machine()["cpu"], "jax": jax.__version__,
-                     "torch": peer.torch.__version__,
+                     "cpu": machine()["cpu"], "affinity": machine()["affinity"],
+                     "jax": jax.__version__, "torch": peer.torch.__version__,
                      "torch_threads": peer.torch.get_num_threads()}, "rounds": args.rounds}
     for preset, n in TORCH_STEPS.items():
         cfg = PRESETS[preset]
         tokens = cfg.data.batch_size * cfg.data.seq_len
         print(f"{preset}: compiling train.py's step and torch's first step", flush=True)
+        shapes = projection_shapes(cfg)
         workers = [Worker("spikefix", step_spec(cfg, read=True)),
-                   Worker("torch", {"kind": "torch", "config": dataclasses.asdict(cfg)})]
+                   Worker("torch", {"kind": "torch", "config": dataclasses.asdict(cfg)}),
+                   Worker("xla matmuls", {"kind": "matmul", "shapes": shapes}),
+                   Worker("torch matmuls", {"kind": "torch_matmul", "shapes": shapes})]
         for w in workers:
             w.wait_ready()
-        rounds = []
+        rounds, matmul_rounds = [], []
         try:
             for i in range(args.rounds):  # alternately first
                 order = workers if i % 2 == 0 else workers[::-1]
                 t = {w.name: w.time(n) for w in order}
                 rounds.append((t["spikefix"], t["torch"]))
+                matmul_rounds.append([matmul_seconds(shapes, t[k])
+                                      for k in ("xla matmuls", "torch matmuls")])
         finally:
             for w in workers:
                 w.close()
         jx, pt = (statistics.median(x) for x in zip(*rounds))
         ratio = [b / a for a, b in rounds]  # spikefix's tokens/s over torch's, each round
+        kinds = ("forward", "input_grad", "weight_grad", "all")
+        mm = {side: {kind: statistics.median(x[j][kind] for x in matmul_rounds) for kind in kinds}
+              for j, side in enumerate(("xla", "torch"))}
         r[preset] = {"spikefix_step_s": jx, "torch_step_s": pt, "spikefix_tokens_per_s":
                      tokens / jx, "torch_tokens_per_s": tokens / pt, "rounds_s": rounds,
-                     "ratio": statistics.median(ratio), "ratio_range": [min(ratio), max(ratio)]}
+                     "ratio": statistics.median(ratio), "ratio_range": [min(ratio), max(ratio)],
+                     "projection_matmuls_s": mm}
         print(f"  train.py's step {jx * 1e3:.1f} ms ({tokens / jx:,.0f} tok/s); eager torch "
               f"{pt * 1e3:.1f} ms ({tokens / pt:,.0f} tok/s): {statistics.median(ratio):.2f}x "
               f"(rounds {min(ratio):.2f}-{max(ratio):.2f}; {r['machine']['cpu']})", flush=True)
+        print("  the projections' matmuls alone, ms a step, " + "; ".join(
+            f"{kind}: XLA {mm['xla'][kind] * 1e3:.1f}, torch {mm['torch'][kind] * 1e3:.1f}"
+            for kind in kinds), flush=True)
     other_cpu(r, wall, busy, own)
     write_json(r, args.out or "bench/results-torch.json")
     return 0
