@@ -13,15 +13,18 @@ def pytest_configure(config):
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ.get(
         "SPIKEFIX_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "spikefix-test-jax-cache")))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    # XLA's CPU backend without LLVM's optimisation passes and without its fusion emitters (the
-    # older loop emitter instead): compiles take most of the suite's time, and the tests'
-    # models are too small for the faster code to pay (the fast tier: 160 -> 108 s on one AMD
-    # EPYC core for the first; the second: one compile-bound test 14.4 -> 9.6 s, the every-norm
-    # test 29.0 -> 19.4 s, cold, one process). The same program, compiled with fewer passes:
-    # the tests' comparisons are between runs compiled alike.
+    # XLA's CPU backend without LLVM's optimisation passes, without its fusion emitters (the
+    # older loop emitter instead) and without LLVM's expensive passes: compiles take most of the
+    # suite's time, and the tests' models are too small for the faster code to pay (the fast
+    # tier: 160 -> 108 s on one AMD EPYC core for the first; the second: one compile-bound test
+    # 14.4 -> 9.6 s, the every-norm test 29.0 -> 19.4 s, cold, one process; the third: two
+    # compile-bound tests 47-52 -> 42-47 s, one process; the cold suite 388-412 s without it,
+    # 368 and 405 s with it, a 2-core Intel Xeon). The same program, compiled with fewer
+    # passes: the tests' comparisons are between runs compiled alike.
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
                                         "--xla_backend_optimization_level=0",
-                                        "--xla_cpu_use_fusion_emitters=false"]).strip()
+                                        "--xla_cpu_use_fusion_emitters=false",
+                                        "--xla_llvm_disable_expensive_passes=true"]).strip()
 
     import jax
 
