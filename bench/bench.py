@@ -110,6 +110,7 @@ def matmul_fn(kind: str):
 
 
 def operand_shapes(kind, m, k, n) -> tuple:
+    """The two operands' shapes of matmul_fn(kind) for an [m, k] x [k, n] projection."""
     return {"forward": ((m, k), (k, n)), "input_grad": ((m, n), (k, n)),
             "weight_grad": ((m, k), (m, n))}[kind]
 
