@@ -248,15 +248,16 @@ def test_mup_scales_each_parameter_as_mup_does_and_the_step_applies_them(tiny_to
     mup_tx = O.make_optimizer(optim, 10, **layout)
     sp_tx = O.make_optimizer(optim, 10, **{**layout, "lr_mults": None})
     extra = dict(loss=1.0, step=0, attn_logit_max_per_head=None)
-    u_mup, _ = mup_tx.update(grads, mup_tx.init(params), params, **extra)
-    u_sp, _ = sp_tx.update(grads, sp_tx.init(params), params, **extra)
+    u_mup, u_sp = (jax.jit(functools.partial(tx.update, **extra))(grads, tx.init(params), params)[0]
+                   for tx in (mup_tx, sp_tx))  # jitted, as the train step applies them
     np.testing.assert_allclose(u_mup["layers"]["wo"], 0.25 * u_sp["layers"]["wo"], rtol=1e-6)
     np.testing.assert_array_equal(u_mup["embed"], u_sp["embed"])
     tokens = tiny_tokens[:2, :8]
     sp = dataclasses.replace(cfg, param="standard")
+    forward = jax.jit(lambda p, t, c: M.forward(p, t, c)[0], static_argnums=2)
     with jax.set_mesh(mesh_of(1, 1)):
-        a = M.forward(params, tokens, cfg)[0]
-        b = M.forward(dict(params, head=params["head"] * 0.25), tokens, sp)[0]
+        a = forward(params, tokens, cfg)
+        b = forward(dict(params, head=params["head"] * 0.25), tokens, sp)
     np.testing.assert_allclose(a, b, atol=1e-6)
     base = dataclasses.replace(cfg, d_model=32, n_heads=2, n_kv_heads=1, d_ff=86)
     assert set(M.mup_scales(base).values()) == {(1.0, 1.0)} and base.output_mult == 1.0
@@ -761,16 +762,17 @@ def test_qk_clip_brings_the_clipped_heads_max_logit_to_tau_on_the_same_batch(tin
     params = M.init_params(cfg.model, jax.random.key(0))
     params["layers"]["wq"] = params["layers"]["wq"] * 40.0  # logits of a few units
     tokens = jnp.asarray(np.tile(tiny_tokens, (2, 1)))
+    aux = jax.jit(lambda p: M.loss_fn(p, tokens, cfg.model, head_stats=True)[1])
     with jax.set_mesh(mesh_of(1, 1)):
         def heads(p):
-            _, aux = M.loss_fn(p, tokens, cfg.model, head_stats=True)
-            return np.asarray(aux["attn_logit_max_per_head"]), np.asarray(aux["attn_logit_max"])
+            a = aux(p)
+            return np.asarray(a["attn_logit_max_per_head"]), np.asarray(a["attn_logit_max"])
         S, per_layer = heads(params)  # signed max per head; per layer the |max|
         tau = float(np.median(S))
         tx = O.qk_clip(guarded(0.0), tau)
-        updates, _ = tx.update(params, tx.init(params), params, loss=1.0, step=0,
-                               attn_logit_max_per_head=jnp.asarray(S))
-        after, _ = heads(optax.apply_updates(params, updates))
+        updates, _ = jax.jit(functools.partial(tx.update, loss=1.0, step=0))(
+            params, tx.init(params), params, attn_logit_max_per_head=jnp.asarray(S))
+        after, _ = heads(jax.jit(optax.apply_updates)(params, updates))
     clipped = S > tau
     assert clipped.any() and (~clipped).any()
     np.testing.assert_allclose(after[clipped], tau, rtol=1e-4)  # the signed max: exactly tau
@@ -947,7 +949,7 @@ def test_muon_splits_the_parameters_as_levanters_muon_does():
         o = dataclasses.replace(cfg.optim, muon_head=muon_head)
         tx = O.muon_with_adam(o, M.decay_mask(cfg.model), M.matrix_dims(cfg.model))
         with jax.set_mesh(mesh_of(1, 1)):
-            updates, state = tx.update(grads, tx.init(params), params)
+            updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
         adam = state.inner_states["adam"].inner_state
         muon = state.inner_states["muon"].inner_state[0]
         on_muon = {k for k, v in muon.mu["layers"].items() if not isinstance(v, optax.MaskedNode)}
@@ -1013,16 +1015,17 @@ def test_hyperball_keeps_each_matrix_on_its_sphere_and_steps_as_the_published_ru
     params = M.init_params(cfg.model, jax.random.key(0))
     radius, matrix = flat_params(jax.tree.map(numpy_norm, params)), flat_params(
         layout["decay_mask"])
-    grad = jax.grad(lambda p, t: M.loss_fn(p, t, cfg.model)[0])
+    grad = jax.jit(jax.grad(lambda p, t: M.loss_fn(p, t, cfg.model)[0]))
     schedule = O.lr_schedule(cfg.optim, cfg.steps)
+    plain_update, update = (jax.jit(functools.partial(t.update, loss=jnp.float32(1.0)))
+                            for t in (plain, tx))
     with jax.set_mesh(mesh_of(1, 1)):
         state, plain_state = tx.init(params), plain.init(params)
-        for step in range(4):
+        for step in range(4):  # jitted, as the train step applies them
             g, lr = grad(params, jnp.asarray(tiny_tokens)), float(schedule(step))
-            plain_u, plain_state = plain.update(g, plain_state, params, loss=jnp.float32(1.0),
-                                                step=step)
-            updates, state = tx.update(g, state, params, loss=jnp.float32(1.0), step=step)
-            new = optax.apply_updates(params, updates)
+            plain_u, plain_state = plain_update(g, plain_state, params, step=step)
+            updates, state = update(g, state, params, step=step)
+            new = jax.jit(optax.apply_updates)(params, updates)
             for k, w in flat_params(params).items():
                 w, u = np.asarray(w, np.float64), -np.asarray(flat_params(plain_u)[k]) / lr
                 got = np.asarray(flat_params(new)[k])
@@ -1070,8 +1073,9 @@ def test_beta2_from_the_batch_is_marins_rule_and_is_what_adam_applies():
     cfg = tiny(optim__b2_rule="batch", optim__max_grad_norm=0.0)  # 8 x 32 tokens: 0.9999
     params = M.init_params(cfg.model, jax.random.key(0))
     g = jax.tree.map(jnp.ones_like, params)
-    _, state = CF.make_tx(cfg).update(g, CF.make_tx(cfg).init(params), params,
-                                      loss=jnp.float32(1.0), step=0)
+    tx = CF.make_tx(cfg)
+    _, state = jax.jit(functools.partial(tx.update, loss=jnp.float32(1.0), step=0))(
+        g, tx.init(params), params)  # jitted, as the train step applies it
     (adam,) = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(
         x, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState)]
     np.testing.assert_allclose(np.asarray(adam.nu["embed"]), 1e-4, rtol=1e-3)
@@ -2682,7 +2686,8 @@ def test_the_held_out_loss_is_the_mean_over_the_whole_fixed_set_in_one_pass():
     mesh = mesh_of(2, 1)
     with jax.set_mesh(mesh):
         loss = float(T.make_eval_step(cfg)(params, T.put_held_out(data, mesh)))
-        each = [float(M.loss_fn(params, jnp.asarray(b), cfg.model)[1]["ce"]) for b in batches]
+        ce = jax.jit(lambda p, b: M.loss_fn(p, b, cfg.model)[1]["ce"])
+        each = [float(ce(params, jnp.asarray(b))) for b in batches]
     assert loss == pytest.approx(np.mean(each), rel=1e-5)
 
 
@@ -3587,9 +3592,9 @@ def test_the_torch_peer_is_the_same_model_and_optimizer(qk_norm, tiny_tokens):
     torch.nn.utils.clip_grad_norm_(list(p.values()), cfg.optim.max_grad_norm)
     opt.step()
     tx = CF.make_tx(cfg)
-    updates, _ = tx.update(grads, tx.init(params), params, step=jnp.zeros((), jnp.int32),
-                           loss=loss)
-    for k, x in peer.torch_params(optax.apply_updates(params, updates)).items():
+    new = jax.jit(lambda g, s, p: optax.apply_updates(p, tx.update(  # as the train step
+        g, s, p, step=jnp.zeros((), jnp.int32), loss=loss)[0]))(grads, tx.init(params), params)
+    for k, x in peer.torch_params(new).items():
         # (Adam's first step divides by |g|: a gradient near 0 moves by float rounding x LR)
         np.testing.assert_allclose(p[k].detach().numpy(), x.detach().numpy(), rtol=1e-5,
                                    atol=lrs[0] * 5e-4, err_msg=k)

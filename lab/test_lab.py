@@ -989,12 +989,13 @@ def test_the_probe_reads_the_sink_and_the_gate_from_the_models_own_layers():
     cfg = RW.Group("p", d_model=32, n_layers=2, model=RW.GATE).config().model
     params = init_params(cfg, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (3, 10), 0, cfg.vocab_size)
-    with jax.set_mesh(H.one_device_mesh()):  # as the harness calls it
-        got = jax.jit(lambda p, t: PR.probe(p, t, cfg))(params, tokens)
+    probe = jax.jit(lambda p, t: PR.probe(p, t, cfg))  # jitted, as the harness calls it
+    with jax.set_mesh(H.one_device_mesh()):
+        got = probe(params, tokens)
     assert {k: v.shape for k, v in got.items()} == {k: (2,) for k in PR.PROBE_KEYS}
     p0 = {k: v[0] for k, v in params["layers"].items()}
-    h = rms_norm(params["embed"][tokens], p0["attn_norm"], cfg.norm_eps)
-    q, k, _ = (np.asarray(x, np.float64) for x in qkv(h, p0, cfg))
+    q, k, _ = (np.asarray(x, np.float64) for x in jax.jit(lambda p0, x: qkv(
+        rms_norm(x, p0["attn_norm"], cfg.norm_eps), p0, cfg))(p0, params["embed"][tokens]))
     q = q.reshape(3, 10, cfg.n_kv_heads, -1, q.shape[-1])  # [B, T, K, G, H]
     s = np.einsum("btkgh,bskh->bkgts", q, k) / np.sqrt(q.shape[-1])
     s = np.where(np.tril(np.ones((10, 10), bool)), s, -np.inf)
@@ -1004,7 +1005,7 @@ def test_the_probe_reads_the_sink_and_the_gate_from_the_models_own_layers():
     assert np.all(got["probe_gate_mean"] == 1.0) and np.all(got["probe_gate_norm"] == 0.0)
     params["layers"]["w_attn_gate"] = params["layers"]["w_attn_gate"] + 0.1
     with jax.set_mesh(H.one_device_mesh()):
-        moved = PR.probe(params, tokens, cfg)
+        moved = probe(params, tokens)
     assert np.all(moved["probe_gate_norm"] > 0) and np.all(moved["probe_gate_mean"] != 1.0)
     # (that the harness keeps them per member, evaluation and layer: the killed-LR test below)
 
