@@ -151,6 +151,20 @@ def test_the_teach_preset_is_the_teach8_row_that_was_measured():
     assert preset.checkpoint_every == 100 and preset.keep_checkpoints * 100 >= preset.steps
 
 
+def test_a_row_declared_for_another_cpu_model_is_refused_before_it_trains(monkeypatch, capsys):
+    """teach8-epyc and its twin are teach8's runs again (the same settings, seeds and rules) on
+    an AMD EPYC; on another CPU model the command says so in one line and trains nothing."""
+    for name, of in (("teach8-epyc", RW.TEACH8), ("teach8-epyc-qk", RW.twin(RW.TEACH8))):
+        row = RW.HARNESS_ROWS[name]
+        assert row.cpu == "AMD EPYC" and dataclasses.replace(row, name=of.name, cpu="") == of
+    monkeypatch.setattr(EX, "machine", lambda: {"cpu": "Intel(R) Xeon(R) Processor"})
+    monkeypatch.setattr(EX.harness, "run", lambda *a, **k: pytest.fail("it trained"))
+    assert EX.main(["teach8-epyc", "--cores", "1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: teach8-epyc is declared for an AMD EPYC; this machine is Intel(R) Xeon(R) "
+        "Processor: run it there"]
+
+
 def test_each_experiment_row_names_its_baseline_source_and_figure(tmp_path):
     """Adding a lever is one row: its baseline, its source and its panels are declared on it,
     and the table and the figures follow the rows (no list of names elsewhere)."""
