@@ -96,7 +96,9 @@ def assert_trees_equal(a, b):
 # ---------------------------------------------------------------------------------------------
 # model.py
 
-@pytest.fixture(scope="module")
+# The shared fixtures are session-scoped: a module-scoped one is built again when a
+# pytest-xdist worker runs another file's test in between (planted_two: ~40 s again).
+@pytest.fixture(scope="session")
 def tiny_tokens():
     return np.random.default_rng(0).integers(0, 256, (4, 33)).astype(np.int32)
 
@@ -1285,7 +1287,7 @@ def last_step(cfg, mesh, tokens):
     return jax.device_get(metrics), jax.device_get(state["params"])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sharded_runs():
     """Every spike tool on, 3 steps on 1x1 and on 4x2."""
     cfg = tiny(optim__skip_step=True, optim__skip_window=4, optim__update_clip="norm",
@@ -1486,7 +1488,7 @@ def planted_on_two_processes(tmp: pathlib.Path, run: pathlib.Path, kill_at: int 
     return [head + outs[0], outs[1]], [p.returncode for p in procs], time.monotonic() - t
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def planted_two(tmp_path_factory):
     """The planted run on 2 processes, straight through: (run dir, outputs, exit codes)."""
     tmp = tmp_path_factory.mktemp("planted-two")
@@ -1701,7 +1703,7 @@ def test_a_split_sequence_is_refused_in_one_line(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # checkpoint.py and compat.py: exact resume, across meshes, damaged checkpoints, older layouts
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def straight_run(tmp_path_factory):
     # warmup 2 of 6 steps: its cosine decay has begun (a later --steps would change taken steps)
     cfg = tiny(tmp_path_factory.mktemp("straight"), steps=6, checkpoint_every=3, eval_every=3,
@@ -2258,7 +2260,7 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def bad_files(tmp_path_factory, straight_run):
     d = tmp_path_factory.mktemp("bad")
     (d / "empty.txt").write_bytes(b"")
@@ -3095,7 +3097,7 @@ def leaves_by_key(state) -> dict:
             for p, x in jax.tree_util.tree_leaves_with_path(state)}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def warm_started(straight_run, tmp_path_factory):
     """The straight tiny run (1 device, no QK-Norm) converted at step 3 onto a 4x2 mesh."""
     src_cfg, _ = straight_run
@@ -3370,7 +3372,7 @@ def test_a_conversion_killed_mid_save_leaves_no_run_behind(straight_run, tmp_pat
     assert C.saved_steps(dst) == [6] and not (tmp_path / "new.converting").exists()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def high_lr_runs(tmp_path_factory):
     """tiny at LR 3e-2 for 100 steps, without and with QK-Norm."""
     runs = {}
