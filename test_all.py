@@ -96,8 +96,8 @@ def assert_trees_equal(a, b):
 # ---------------------------------------------------------------------------------------------
 # model.py
 
-# The shared fixtures are session-scoped: a module-scoped one is built again when a
-# pytest-xdist worker runs another file's test in between (planted_two: ~40 s again).
+# The shared fixtures are session-scoped: a module-scoped one is torn down, and built again,
+# whenever a worker runs a test of another file in between.
 @pytest.fixture(scope="session")
 def tiny_tokens():
     return np.random.default_rng(0).integers(0, 256, (4, 33)).astype(np.int32)
