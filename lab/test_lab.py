@@ -909,6 +909,14 @@ def test_the_zloss_table_reads_the_output_logits_from_the_stored_curves(tmp_path
     assert len(stored) == 6 and stored[1]["final"][2] is None  # the non-finite seed: null
 
 
+def test_the_readmes_stay_readable_in_one_sitting():
+    """The README at most 14,000 bytes and results/README.md at most 35,000: a table the lab
+    writes into either (lab/experiments.py) makes room by shorter prose, not by a longer file."""
+    root = pathlib.Path(__file__).parent.parent
+    assert len((root / "README.md").read_bytes()) <= 14_000
+    assert len((root / "results/README.md").read_bytes()) <= 35_000
+
+
 def test_the_readmes_links_into_the_results_land_on_a_section():
     """Each finding in the README links to its section of results/README.md: every
     `results/README.md#anchor` there is the GitHub anchor of one of that file's headings."""
