@@ -18,12 +18,9 @@ def pytest_configure(config):
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     # XLA's CPU backend without LLVM's optimisation passes, without its fusion emitters (the
     # older loop emitter instead) and without LLVM's expensive passes: compiles take most of the
-    # suite's time, and the tests' models are too small for the faster code to pay (the fast
-    # tier: 160 -> 108 s on one AMD EPYC core for the first; the second: one compile-bound test
-    # 14.4 -> 9.6 s, the every-norm test 29.0 -> 19.4 s, cold, one process; the third: two
-    # compile-bound tests 47-52 -> 42-47 s, one process; the cold suite 388-412 s without it,
-    # 368 and 405 s with it, a 2-core Intel Xeon). The same program, compiled with fewer
-    # passes: the tests' comparisons are between runs compiled alike.
+    # suite's time, and the tests' models are too small for the faster code to pay (each flag
+    # cut compile-bound tests by 10-33%, cold, on an AMD EPYC and an Intel Xeon). The same
+    # program, compiled with fewer passes: the tests' comparisons are between runs compiled alike.
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
                                         "--xla_backend_optimization_level=0",
                                         "--xla_cpu_use_fusion_emitters=false",

@@ -615,10 +615,11 @@ def main(argv: list[str]) -> int:
             print(f"{g.name:<26} (harness, seeds {','.join(map(str, g.seeds))}) "
                   f"{'done' if g.name in done else 'to run'}")
         return 0
+    cpu = machine()["cpu"]
     for g in groups:  # a row declared for one CPU model (a second draw of a row) trains there
-        if g.cpu and g.cpu not in machine()["cpu"]:
-            raise UserError(f"{g.name} is declared for an {g.cpu}; this machine is "
-                            f"{machine()['cpu']}: run it there")
+        if g.cpu and g.cpu not in cpu:
+            raise UserError(f"{g.name} is declared for an {g.cpu}; this machine is {cpu}: run it "
+                            "there")
     cores = sorted(os.sched_getaffinity(0))
     if args.cores is not None and not 1 <= args.cores <= len(cores):
         raise UserError(f"--cores must be in 1..{len(cores)} (this process may use cores "

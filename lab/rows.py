@@ -402,11 +402,12 @@ TEACH_SCREEN = [Group(f"teach-w{w}", warmup_steps=w, steps=1500, lrs=lrs, seeds=
 # 8e-2 (first shifts by 768) and 0.12 (by 1,322), warmup 600 / 8e-2 (by 961) and 0.12 (by 561);
 # none at 300 / 5e-2. By the rule: warmup 600, LR 0.12, its 8 seeds and QK-Norm twin next.
 TEACH8 = dataclasses.replace(TEACH_SCREEN[1], name="teach8", lrs=(0.12,), seeds=EVIDENCE_SEEDS)
-TEACH_ROWS = [*TEACH_SCREEN, TEACH8, twin(TEACH8)]
 # The second CPU model: teach8 and its twin again on an AMD EPYC (teach8 ran on an Intel Xeon),
 # the same seeds and rules; declared before either ran.
-TEACH_ROWS += [dataclasses.replace(g, name=g.name.replace("teach8", "teach8-epyc"), cpu="AMD EPYC")
-               for g in (TEACH8, twin(TEACH8))]
+TEACH8_ROWS = [TEACH8, twin(TEACH8)]
+TEACH8_ROWS += [dataclasses.replace(g, name=g.name.replace("teach8", "teach8-epyc"),
+                                    cpu="AMD EPYC") for g in TEACH8_ROWS]
+TEACH_ROWS = [*TEACH_SCREEN, *TEACH8_ROWS]
 # After the 32B: Hyperball (AdamH), declared before any of these runs. On the story regime (8
 # seeds, its rules as they stand): AdamH's angle a step by Levanter's AdamHConfig rule,
 # sqrt(Adam's LR x weight decay) = sqrt(5e-2 x 0.1) = 0.07, the embedding and norms on Adam at

@@ -20,6 +20,7 @@ from lab.rows import (
     LEVERS,
     README_ROWS,
     STORY,
+    TEACH8_ROWS,
     Group,
 )
 from lab.stats import (
@@ -313,8 +314,7 @@ def probe_markdown(record: dict) -> str:
     return "\n".join(lines)
 
 
-def teach_markdown(record: dict, groups=("teach8", "teach8-qk", "teach8-epyc", "teach8-epyc-qk")
-                   ) -> str:
+def teach_markdown(record: dict, groups=tuple(g.name for g in TEACH8_ROWS)) -> str:
     """The `teach` preset's rows (the README's recipe) from the record: per row the seeds with a
     level shift anywhere in the run and each seed's first, held-out (the mean of the last
     1,000 steps' evals) and the max attention logit, each mean with its 95% interval."""
