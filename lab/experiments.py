@@ -620,10 +620,6 @@ def main(argv: list[str]) -> int:
         if g.cpu and g.cpu not in cpu:
             raise UserError(f"{g.name} is declared for an {g.cpu}; this machine is {cpu}: run it "
                             "there")
-        if missing := set(g.xla_flags.split()) - set(os.environ.get("XLA_FLAGS", "").split()):
-            raise UserError(f"{g.name} trains under XLA_FLAGS={g.xla_flags} (lacking "
-                            f"{' '.join(sorted(missing))}): run it as XLA_FLAGS={g.xla_flags} "
-                            f"python -m lab.experiments {g.name}")
     cores = sorted(os.sched_getaffinity(0))
     if args.cores is not None and not 1 <= args.cores <= len(cores):
         raise UserError(f"--cores must be in 1..{len(cores)} (this process may use cores "

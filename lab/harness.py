@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import os
 import pathlib
 import time
 
@@ -55,7 +54,6 @@ def machine_record() -> dict:
     embedded corpus, this Python's standard library: another Python version is other text
     (3.12.1's is 11.6 MB, 3.11.7's 12.1 MB)."""
     return machine() | {"device": jax.devices()[0].device_kind,
-                        "xla_flags": os.environ.get("XLA_FLAGS", "").strip(),
                         "matmul_precision": jax.config.jax_default_matmul_precision,
                         "corpus_sha256": hashlib.sha256(embedded_corpus()).hexdigest()[:16]}
 

@@ -46,7 +46,6 @@ class Group:
     guard: tuple[tuple[str, object], ...] = ()
     spectral: bool = False  # log the q/k spectral entropy too (train.py --spectral-metrics)
     cpu: str = ""  # the CPU model it must train on, as /proc/cpuinfo names it ("": any)
-    xla_flags: str = ""  # XLA_FLAGS it must train under (another rounding path on one CPU)
 
     def config(self, lr: float | None = None) -> TrainConfig:
         """train.py's config of one member at `lr` (default: the group's first LR)."""
@@ -407,14 +406,7 @@ TEACH8 = dataclasses.replace(TEACH_SCREEN[1], name="teach8", lrs=(0.12,), seeds=
 # the same seeds and rules; declared before either ran.
 TEACH8_ROWS = [TEACH8, twin(TEACH8)]
 TEACH8_ROWS += [dataclasses.replace(g, name=g.name.replace("teach8", "teach8-epyc"),
-                                    cpu="AMD EPYC") for g in TEACH8_ROWS[:2]]
-# Another rounding path on the Intel Xeon, declared before either ran: teach8 and its twin with
-# XLA's generated code held to AVX2, as on a CPU without AVX-512 (YNNPACK's matmuls still pick
-# their kernels from the CPU). Its losses part from teach8's at step 0, so each seed is another
-# draw; it is not a second CPU model, and the rule's count on an AMD EPYC still stands open.
-TEACH8_ROWS += [dataclasses.replace(g, name=g.name.replace("teach8", "teach8-avx2"),
-                                    cpu="Intel(R) Xeon(R)", xla_flags="--xla_cpu_max_isa=AVX2")
-                for g in TEACH8_ROWS[:2]]
+                                    cpu="AMD EPYC") for g in TEACH8_ROWS]
 TEACH_ROWS = [*TEACH_SCREEN, *TEACH8_ROWS]
 # After the 32B: Hyperball (AdamH), declared before any of these runs. On the story regime (8
 # seeds, its rules as they stand): AdamH's angle a step by Levanter's AdamHConfig rule,

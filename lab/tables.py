@@ -334,15 +334,9 @@ def teach_markdown(record: dict, groups=tuple(g.name for g in TEACH8_ROWS)) -> s
         lines.append(f"| {name} | {sum(f is not None for f in first)} of {len(ms)} | "
                      f"{', '.join('—' if f is None else f'{f:,}' for f in first)} | "
                      f"{' | '.join(cells)} |")
-    ran = {n: record["groups"][n] for n in groups if n in record["groups"]}
-    cpus = sorted({group_cpu(g) or "?" for g in ran.values()})
-    flags = {}  # the XLA_FLAGS a row trained under, where it names them
-    for n, g in ran.items():
-        for f in dict.fromkeys(s["machine"].get("xla_flags") for s in g.get("sessions", ())):
-            if f:
-                flags.setdefault(f, []).append(n)
-    return "\n".join(lines) + f"\n\nRan on: {'; '.join(cpus)}" + "".join(
-        f"; {', '.join(ns)} under XLA_FLAGS={f}" for f, ns in flags.items()) + "."
+    cpus = sorted({group_cpu(record["groups"][n]) or "?" for n in groups
+                   if n in record["groups"]})
+    return "\n".join(lines) + f"\n\nRan on: {'; '.join(cpus)}."
 
 
 def evidence_json(rows: list[dict]) -> list[dict]:
