@@ -11,8 +11,8 @@ results/search.json.
 The story's other rows (the levers, the LR sweep, the evidence, ...) run from
 python -m lab.experiments ROW. The outcome of each member is judged by report.py's fixed rules
 (the one-step spike rule and the level-shift rule, at their defaults: never tuned here),
-counted after the step S1 at which the run is compared with the QK-Norm run of the same group
-settings.
+counted after its parting step: the last held-out eval at which the run is within 0.05 nats of
+the QK-Norm run of the same settings (lab/stats.py's first_match).
 """
 
 import dataclasses
@@ -74,7 +74,7 @@ def story_found(verdicts: list[dict], min_spikes: int = 3) -> list[tuple[str, fl
 
 def summary(rows: list[dict]) -> str:
     verdicts = judge(rows)
-    lines = [f"{'group':<24} {'lr':>7} {'seed':>4} {'S1':>5} {'spikes>S1':>9} {'shifts>S1':>9} "
+    lines = [f"{'group':<24} {'lr':>7} {'seed':>4} {'part':>5} {'spikes>':>9} {'shifts>':>9} "
              f"{'qk spikes':>9} {'held-out':>8} {'qk':>6} {'max logit':>9}"]
     for v in verdicts:
         lines.append(f"{v['group']:<24} {v['lr']:>7.1e} {v['seed']:>4} {str(v['s1']):>5} "
@@ -83,7 +83,8 @@ def summary(rows: list[dict]) -> str:
                      f"{v['qk_eval'] if v['qk_eval'] is None else round(v['qk_eval'], 3)!s:>6} "
                      f"{v['max_logit']:>9.3g}")
     found = story_found(verdicts)
-    lines.append("every seed learns, then has >= 3 one-step spikes after S1 (these runs): "
+    lines.append("every seed learns, then has >= 3 one-step spikes after its parting step "
+                 "(these runs): "
                  + (", ".join(f"{g} at LR {lr:g}" for g, lr in found) if found else "none"))
     return "\n".join(lines)
 
@@ -96,7 +97,7 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         if r["group"] in SEARCH_NAMES:  # the other rows have their own tables
             cells.setdefault((r["group"], r["lr"]), []).append(r)
-    lines = ["| group | β2 | ε | warmup | LR | spikes per seed | level shifts | S1 (vs QK-Norm) | "
+    lines = ["| group | β2 | ε | warmup | LR | spikes per seed | level shifts | parting step | "
              "held-out (nats/byte) | max attn logit | spike steps |", "|---" * 11 + "|"]
     for (group, lr), members in cells.items():
         m0 = members[0]

@@ -147,9 +147,9 @@ def levers_markdown(record: dict) -> str:
     if not rows:
         return "no lever run yet"
     base = rows[0]
-    lines = ["| run (3 seeds, from scratch) | spikes after S1 | level shifts after S1 | "
-             "held-out (nats/byte) | vs baseline | max attn logit | skipped steps | spike score "
-             "loss / grad norm (6σ/128) |", "|---" * 8 + "|"]
+    lines = ["| run (3 seeds, from scratch) | spikes after the parting step | level shifts "
+             "after it | held-out (nats/byte) | vs baseline | max attn logit | skipped steps | "
+             "spike score loss / grad norm (6σ/128) |", "|---" * 8 + "|"]
     for r in rows:
         d = r["eval_mean"] - base["eval_mean"]
         same = compare({"eval_loss": spread(r["eval"])}, {"eval_loss": spread(base["eval"])})
