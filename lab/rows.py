@@ -2,8 +2,8 @@
 per seed) and the harness groups (`Group`: one compiled step vmapped over seeds, lab/harness.py),
 each declared once, with its label and the figure panel it is drawn in. `REGISTRY` holds every
 group by name (the search's own, the levers, the LR sweep, the evidence, the widths, the z-loss
-and knob rows), built here without import side effects, so that a fork finds its source and S1
-its QK-Norm twin whichever command runs.
+and knob rows), built here without import side effects, so that a fork finds its source and a
+row its QK-Norm twin whichever command runs.
 
     python -m lab.experiments --list   # every row and whether it has run
 """
@@ -35,7 +35,7 @@ class Group:
     seeds: tuple[int, ...] = (0, 1, 2)
     optim: tuple[tuple[str, object], ...] = ()  # a lever: OptimConfig fields, (name, value)
     model: tuple[tuple[str, object], ...] = ()  # ...or ModelConfig fields
-    compare_with: str = ""  # the QK-Norm group S1 is taken against (default: NAME-qk)
+    compare_with: str = ""  # the QK-Norm group the parting step is taken against (default: NAME-qk)
     label: str = ""  # its row in the README's evidence table ("": not there)
     # A mid-run arm from this group's kept states (see fork_steps): QK-Norm inserted where the
     # arm has it, else its settings (QK-Clip) switched on as a resume does.
@@ -92,7 +92,7 @@ GROUPS = [
     # a low LR, then meet the LR that collapses a fresh model (3e-2) or more: a long warmup.
     Group("d64-b2.95-warmup1000", warmup_steps=1000, lrs=(3e-2, 5e-2)),
 ]
-# QK-Norm twins: the comparison that decides S1 (queued before the warmup group).
+# QK-Norm twins: the comparison that decides the parting step (queued before the warmup group).
 GROUPS.insert(2, twin(GROUPS[1], lrs=(1e-2, 2e-2)))
 # The two single-seed events came late (steps 646 and 1,882): longer runs, other seeds.
 GROUPS += [
@@ -103,7 +103,7 @@ GROUPS += [
 # That group breaks late in every seed (level shifts that never come back): its QK-Norm twin.
 GROUPS.append(twin(GROUPS[-1]))
 # The story regime (train.py's `story` preset) is that group. The levers, from scratch on it,
-# each compared with its QK-Norm twin (S1) and with it (the spikes and shifts after S1).
+# each compared with its QK-Norm twin (the spikes and shifts after their parting step).
 STORY = GROUPS[-2]
 SEARCH_NAMES = {g.name for g in GROUPS}  # the search's own groups (the rows below add theirs)
 
@@ -344,8 +344,8 @@ BREAK_ROWS = [
                         compare_with="width32-qk"),
     dataclasses.replace(WIDTH32, name="width32-softcap50", model=(("attn_softcap", 50.0),),
                         lrs=(0.03, 0.1, 0.3, 1.0), compare_with="width32-qk"),
-    # (declared on a misreading: the runner's log counts level shifts after S1 only, none at
-    # 1; by the table's rule, any level shift, the soft-cap breaks at 0.3 and these LRs add
+    # (declared on a misreading: the runner's log counts level shifts after the parting step only,
+    # none at 1; by the table's rule, any level shift, the soft-cap breaks at 0.3 and these LRs add
     # only that 3 and 10 break too)
     dataclasses.replace(WIDTH32, name="width32-softcap50-high", model=(("attn_softcap", 50.0),),
                         lrs=(3.0, 10.0), compare_with="width32-qk"),

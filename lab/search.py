@@ -42,7 +42,8 @@ from lab.tables import update_readme
 
 
 def judge(rows: list[dict]) -> list[dict]:
-    """Per (baseline group, LR): S1, spikes after S1 per seed, the QK-Norm twin's spikes."""
+    """Per (baseline group, LR): the parting step, spikes after it per seed, the QK-Norm twin's
+    spikes."""
     by = {(r["group"], r["lr"], r["seed"]): r for r in rows}
     verdicts = []
     for (group, lr, seed), r in sorted(by.items()):
@@ -64,7 +65,7 @@ def judge(rows: list[dict]) -> list[dict]:
 
 
 def story_found(verdicts: list[dict], min_spikes: int = 3) -> list[tuple[str, float]]:
-    """(group, LR) where every seed has an S1 and >= min_spikes spikes after it."""
+    """(group, LR) where every seed has a parting step and >= min_spikes spikes after it."""
     cells: dict = {}
     for v in verdicts:
         cells.setdefault((v["group"], v["lr"]), []).append(
@@ -90,8 +91,9 @@ def summary(rows: list[dict]) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    """One table row per group and LR: settings, spikes and level shifts per seed (after S1
-    where the group has a QK-Norm twin), held-out loss mean ± sd, the largest attention logit."""
+    """One table row per group and LR: settings, spikes and level shifts per seed (after the
+    parting step where the group has a QK-Norm twin), held-out loss mean ± sd, the largest
+    attention logit."""
     verdicts = {(v["group"], v["lr"], v["seed"]): v for v in judge(rows)}
     cells: dict = {}
     for r in rows:

@@ -36,8 +36,8 @@ from report import smoothed
 
 
 def first_match(base: list[float], qk: list[float], steps: list[int], tol: float = 0.05):
-    """The last eval step S1 at which the baseline's held-out loss is within `tol` of the
-    QK-Norm run's (the baseline "learns like the QK-Norm run" up to S1); None if never."""
+    """The parting step: the last eval step at which the baseline's held-out loss is within `tol`
+    of the QK-Norm run's (the baseline "learns like the QK-Norm run" up to it); None if never."""
     ok = [s for s, b, q in zip(steps, base, qk) if abs(b - q) <= tol]
     return ok[-1] if ok else None
 

@@ -1,7 +1,7 @@
 """The tables of the story and its evidence, from what is stored only (results/search.json,
 results/curves/): the levers from scratch, the loss-event mechanism, the 8-seed evidence
-(report.py's event rules, lab/stats.py's episodes, bootstrap intervals), S1 and the probes;
-each written between its markers in results/README.md, its rows into results/results.json.
+(report.py's event rules, lab/stats.py's episodes, bootstrap intervals), the parting step and the
+probes; each written between its markers in results/README.md, its rows into results/results.json.
 The LR sweeps' tables (best and break LR) are lab/breaks.py's.
 
     python -m lab.experiments --evidence --plot   # one table, its figure, results/README.md
@@ -104,8 +104,8 @@ def mechanism_table(events: list[dict]) -> str:
 
 
 def lever_rows(record: dict) -> list[dict]:
-    """The story baseline, its QK-Norm twin and each lever run so far: per seed the one-step
-    spikes and level shifts after the baseline's S1 of that seed, the held-out loss at the end,
+    """The story baseline, its QK-Norm twin and each lever run so far: per seed the one-step spikes
+    and level shifts after the baseline's parting step in that seed, the held-out loss at the end,
     the skipped steps; and the held-out mean and sd over seeds."""
     groups = record["groups"]
     base = {m["seed"]: m for m in groups.get(STORY.name, {}).get("members", [])}
@@ -168,10 +168,10 @@ def levers_markdown(record: dict) -> str:
 
 def judged(g: Group, seed: int, base: str, twin: str, curve: dict | None = None,
            s1: int | None = None) -> dict:
-    """One member judged by the episode rules: its curve (a fork's spliced onto its source's),
-    S1 (the baseline's last eval within 0.05 of the twin's; `s1` fixes it instead), the
-    episodes from S1 (a fork's from its fork step) with the twin's hard-batch control, each
-    shift's recovery. `curve`: judge this curve instead of the stored one (a rerun)."""
+    """One member judged by the episode rules: its curve (a fork's spliced onto its source's), the
+    parting step (the baseline's last eval within 0.05 of the twin's; `s1` fixes it instead), the
+    episodes from it (a fork's from its fork step) with the twin's hard-batch control, each shift's
+    recovery. `curve`: judge this curve instead of the stored one (a rerun)."""
     m = curve or seed_curve(g.name, seed)
     first = m["first_step"]
     if first:
@@ -202,10 +202,10 @@ def judged(g: Group, seed: int, base: str, twin: str, curve: dict | None = None,
 
 def evidence_rows(record: dict, base: str = "story8", twin: str = "story8-qk",
                   s1: int | None = None, only=None) -> list[dict]:
-    """Per evidence group run so far (`only`: these names): per seed judged() (`s1`: S1 fixed
-    at that step); the rates per 1,000 steps (NaN for a seed with no step left after S1), the
-    share of seeds with a shift not back by the end, held-out and max logit, each with its mean
-    and bootstrap 95% interval over seeds."""
+    """Per evidence group run so far (`only`: these names): per seed judged() (`s1`: the parting
+    step fixed at that step); the rates per 1,000 steps (NaN for a seed with no step left after the
+    parting step), the share of seeds with a shift not back by the end, held-out and max logit,
+    each with its mean and bootstrap 95% interval over seeds."""
     if base not in record["groups"] or twin not in record["groups"]:
         return []
     rows = []
@@ -249,9 +249,9 @@ def evidence_rows(record: dict, base: str = "story8", twin: str = "story8-qk",
 
 def s1_markdown(record: dict, groups=("story8", "story8-qk", "story8-marin-32b",
                                        "story8-rerun")) -> str:
-    """The rates' dependence on S1 (issue: S1 sits at its rule's edge): the level-shift episodes
-    per 1,000 steps with S1 by its rule, fixed at 0 and at 1,000; and each seed's held-out gap
-    to its QK-Norm twin at step 1,000, before any event."""
+    """The rates' dependence on the parting step (it sits at its rule's edge): the level-shift
+    episodes per 1,000 steps with the parting step by its rule, fixed at 0 and at 1,000; and each
+    seed's held-out gap to its QK-Norm twin at step 1,000, before any event."""
     by = {s1: {r["group"]: r for r in evidence_rows(record, s1=s1, only=groups)}
           for s1 in (None, 0, 1000)}
     lines = ["| row | level-shift episodes / 1k steps, counted from: the parting step | step 0 "

@@ -597,7 +597,7 @@ def test_the_search_judges_s1_and_the_spikes_after_it_by_the_fixed_rules():
     assert [(v["s1"], v["spikes_after_s1"], v["qk_spikes"]) for v in verdicts] == \
         [(500, 3, 1)] * 3
     assert SE.story_found(verdicts) == [("g", 0.01)]
-    rows[0]["spike_steps"] = [800, 900]  # seed 0: 2 spikes after S1, short of 3
+    rows[0]["spike_steps"] = [800, 900]  # seed 0: 2 spikes after the parting step, short of 3
     assert SE.story_found(SE.judge(rows)) == []
 
 
@@ -618,8 +618,8 @@ def test_the_levers_count_events_after_the_baselines_s1_of_each_seed():
         lever: {"members": [member(0, [2.0, 1.8, 1.7], [100, 550]),
                             member(1, [2.0, 1.8, 1.7], [200])]}}}
     rows = TB.lever_rows(record)
-    # S1: the baseline's last eval within 0.05 of QK-Norm's, per seed (500 and 250); every
-    # row counts its events from the baseline's S1 of that seed
+    # the parting step: the baseline's last eval within 0.05 of QK-Norm's, per seed (500 and 250);
+    # every row counts its events from the baseline's parting step in that seed
     assert [r["s1"] for r in rows] == [[500, 250]] * 3
     assert [(r["spikes"], r["shifts"]) for r in rows] == [([1, 2], [1, 0]), ([0, 1], [0, 0]),
                                                          ([1, 0], [0, 0])]
@@ -628,10 +628,10 @@ def test_the_levers_count_events_after_the_baselines_s1_of_each_seed():
 
 def test_the_evidence_counts_episodes_by_the_fixed_rules_from_the_stored_curves(
         tmp_path, monkeypatch):
-    """Planted curves for 3 seeds: after S1 (500) a hard batch at 520 (the QK-Norm twin jumps
-    there too), a spike of the baseline's own at 700, a level shift at 800 that is not back at
-    the end (censored), QK-Norm inserted at 750 into the baseline (spliced: its detectors see
-    the baseline's steps before 750)."""
+    """Planted curves for 3 seeds: after the parting step (500) a hard batch at 520 (the QK-Norm
+    twin jumps there too), a spike of the baseline's own at 700, a level shift at 800 that is not
+    back at the end (censored), QK-Norm inserted at 750 into the baseline (spliced: its detectors
+    see the baseline's steps before 750)."""
     monkeypatch.setattr(STO, "SEED_CURVES", tmp_path)
     rng = np.random.default_rng(0)
 
@@ -658,7 +658,7 @@ def test_the_evidence_counts_episodes_by_the_fixed_rules_from_the_stored_curves(
     base = rows["story8"]
     assert [(e.start, e.level_shift, e.hard_batch) for e in base["per_seed"][0]["episodes"]] \
         == [(520, False, True), (700, False, False), (800, True, False)]
-    assert base["episodes"]["mean"] == pytest.approx(3 / 500 * 1000)  # 3 in the 500 after S1
+    assert base["episodes"]["mean"] == pytest.approx(3 / 500 * 1000)  # 3 in the 500 after it
     assert base["instability_episodes"]["mean"] == pytest.approx(2 / 500 * 1000)
     assert base["level_shift_episodes"]["mean"] == pytest.approx(1 / 500 * 1000)
     assert base["unrecovered"]["mean"] == 1.0
