@@ -75,11 +75,12 @@ def story_found(verdicts: list[dict], min_spikes: int = 3) -> list[tuple[str, fl
 
 def summary(rows: list[dict]) -> str:
     verdicts = judge(rows)
-    lines = [f"{'group':<24} {'lr':>7} {'seed':>4} {'part':>5} {'spikes>':>9} {'shifts>':>9} "
+    # parted: the parting step; spikes and shifts are counted after it
+    lines = [f"{'group':<24} {'lr':>7} {'seed':>4} {'parted':>6} {'spikes':>6} {'shifts':>6} "
              f"{'qk spikes':>9} {'held-out':>8} {'qk':>6} {'max logit':>9}"]
     for v in verdicts:
-        lines.append(f"{v['group']:<24} {v['lr']:>7.1e} {v['seed']:>4} {str(v['s1']):>5} "
-                     f"{v['spikes_after_s1']:>9} {v['shifts_after_s1']:>9} "
+        lines.append(f"{v['group']:<24} {v['lr']:>7.1e} {v['seed']:>4} {str(v['s1']):>6} "
+                     f"{v['spikes_after_s1']:>6} {v['shifts_after_s1']:>6} "
                      f"{str(v['qk_spikes']):>9} {v['eval']:>8.3f} "
                      f"{v['qk_eval'] if v['qk_eval'] is None else round(v['qk_eval'], 3)!s:>6} "
                      f"{v['max_logit']:>9.3g}")
