@@ -22,12 +22,9 @@ rule cannot see these: their rise spreads over 5-30 steps while per-step noise i
 """
 
 import dataclasses
-import importlib.metadata
 import json
 import math
-import os
 import pathlib
-import platform
 import sys
 
 import numpy as np
@@ -490,20 +487,6 @@ def summary(m: dict[str, np.ndarray], rule: SpikeRule = SpikeRule(),
                              + [(s.step, "shift") for s in shifts]),
             "skipped_steps": int(np.sum(m.get("skipped", 0))),
             **spike_scores(m)}
-
-
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in
-                   pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    # A run repeats bitwise only on the same CPU model with the same cores: record both.
-    return {"cpu": cpu, "cores": os.cpu_count(), "jax": importlib.metadata.version("jax"),
-            "python": platform.python_version(),
-            "platform": platform.platform(), "affinity": sorted(os.sched_getaffinity(0))}
 
 
 # ---------------------------------------------------------------------------------------------

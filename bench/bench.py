@@ -78,7 +78,7 @@ from data import DataConfig
 from distributed import MeshConfig, make_mesh
 from lab import harness as S
 from lab.rows import STORY
-from report import machine
+from lab.store import machine
 
 SEQ_LENS = (128, 256, 512, 1024)
 TOKENS_PER_STEP = 4096

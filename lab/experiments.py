@@ -86,7 +86,7 @@ from lab.stats import (
     compare,
     spread,
 )
-from lab.store import layer_max, load, read_curve
+from lab.store import layer_max, load, machine, read_curve
 from lab.tables import (
     RESULTS,
     evidence_json,
@@ -106,7 +106,6 @@ from lab.tables import (
 from report import (
     find_shifts,
     find_spikes,
-    machine,
     read_metrics,
     summary,
 )
@@ -514,8 +513,10 @@ def harness_tables(args: Args) -> None:
               f"{now['cpu']}, {len(now['affinity'])} core(s) {now['affinity']}; the row ran on "
               f"{ran.get('cpu', '?')}, {ran.get('cores', '?')} core(s)"
               + (f" {ran['affinity']}" if "affinity" in ran else " (its pinning not recorded)")
-              + ". It repeats bitwise only on the same CPU model with as many cores in the "
-              "process (taskset -c 0 for a row run on one pinned core).")
+              + ". It repeats bitwise only where CPU, ISA, cores and JAX all match (taskset -c 0 "
+              "for a row run on one pinned core): "
+              + (f"here {', '.join(diff)} differ." if (diff := same_bits(ran, now)) else
+                 "here they do."))
         out = rerun(args.rerun, args.seed, args.rerun_steps)
         at, n = out["bits"]["parts_at"], out["bits"]["compared"]
         print(f"  seed {args.seed}: " + (f"bitwise the stored curve over all {n} steps"

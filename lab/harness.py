@@ -33,12 +33,19 @@ from export import restore_params
 from lab import store
 from lab.probe import PROBE_KEYS, probe
 from lab.rows import REGISTRY, Group
-from lab.store import curve_arrays, load, read_curve, read_npz, record_checksums, save_group
+from lab.store import (
+    curve_arrays,
+    load,
+    machine,
+    read_curve,
+    read_npz,
+    record_checksums,
+    save_group,
+)
 from report import (
     acted,
     find_shifts,
     find_spikes,
-    machine,
     read_metrics,
 )
 
@@ -48,7 +55,7 @@ def member_grid(g: Group) -> list[tuple[float, int]]:
 
 
 def machine_record() -> dict:
-    """report.machine() and the device the harness trains on: its kind ("cpu", "NVIDIA H200")
+    """store.machine() and the device the harness trains on: its kind ("cpu", "NVIDIA H200")
     and JAX's default matmul precision (None: the platform's own, which on a GPU may be TF32
     for float32); and the data's sha256 (its first 16 digits). NOTE: every row trains on the
     embedded corpus, this Python's standard library: another Python version is other text

@@ -447,6 +447,27 @@ HYPERBALL_ROWS += [dataclasses.replace(WIDTH32, name=f"width32-adamh{'-qk' * qk}
                                        lrs=(1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0),
                                        compare_with="" if qk else "width32-adamh-qk")
                    for qk in (False, True)]
+# Best against best, from scratch (declared before any of these ran). AdamH tuned at the
+# story's width: the angle on a half-decade grid around Levanter's rule sqrt(LR x wd) at Adam's
+# best LR at d_model 64 (1e-3 with and without QK-Norm, the widths rows: 0.01) and at the
+# story's LR (0.07), the other leaves on Adam at that best LR, with and without QK-Norm, 3
+# seeds, one group per angle and arm (each recorded as it ends), the angles nearest 0.01 first.
+# The rule: an arm's best angle has the lowest mean held-out over its seeds; a best at the
+# grid's edge gets the next half decade beyond it. Next, at each arm's best angle, the other
+# leaves' LR at 3e-4 and 3e-3 (the same rule picks the pair); then 8 seeds at each arm's best
+# pair, beside Adam and Adam with QK-Norm at their own best LR (8 seeds, below).
+TUNE_ANGLES = (1e-2, 3e-2, 3e-3, 1e-1)
+ADAM_BEST_LR = 1e-3
+TUNE_ROWS = [dataclasses.replace(STORY, name=f"d64-adamh{'-qk' * qk}-a{a:g}", qk_norm=qk,
+                                 lrs=(a,), optim=(("optimizer", "adamh"),
+                                                  ("adam_lr", ADAM_BEST_LR)),
+                                 compare_with="" if qk else f"d64-adamh-qk-a{a:g}")
+             for a in TUNE_ANGLES for qk in (False, True)]
+TUNE_ROWS += [g for base in [dataclasses.replace(EVIDENCE, name="story8-adam-best",
+                                                 lrs=(ADAM_BEST_LR,), snapshot_every=0,
+                                                 compare_with="story8-adam-best-qk", label="")]
+              for g in (base, twin(base, compare_with=""))]
+HYPERBALL_ROWS += TUNE_ROWS
 # The README's six rows of the evidence (lab/tables.py:readme_summary), in its order.
 README_ROWS = (("story8", "baseline (no QK-Norm)"), ("story8-qk", "QK-Norm from scratch"),
                ("story8-marin-32b", "the 32B's levers: clip 0.2, skip-step, update clip"),

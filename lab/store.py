@@ -8,8 +8,11 @@ results/search/GROUP.npz), each written whole and checked against its sha256 whe
 
 import fcntl
 import hashlib
+import importlib.metadata
 import json
+import os
 import pathlib
+import platform
 import zipfile
 
 import numpy as np
@@ -53,6 +56,47 @@ def read_npz(path: pathlib.Path, fix: str) -> dict[str, np.ndarray]:
         raise UserError(f"{path} is missing: {fix}") from None
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
         raise UserError(f"{path} cannot be read ({type(e).__name__}: damaged): {fix}") from None
+
+
+# The vector instructions XLA:CPU chooses its kernels by: two CPUs with one marketing name
+# ("AMD EPYC") but other ISA gave other bits from step 4 on.
+ISA_PREFIXES = ("sse4", "avx", "fma", "f16c", "amx")
+
+
+def cpu_identity(cpuinfo: str) -> dict:
+    """The CPU exactly, from /proc/cpuinfo's first processor: its name, family, model,
+    stepping, and the ISA flags XLA:CPU can use."""
+    first = dict(line.split(":", 1) for line in cpuinfo.split("\n\n")[0].splitlines()
+                 if ":" in line)
+    first = {k.strip(): v.strip() for k, v in first.items()}
+    return {"cpu": first.get("model name", platform.processor()),
+            "cpu_family": first.get("cpu family"), "cpu_model": first.get("model"),
+            "cpu_stepping": first.get("stepping"),
+            "isa": sorted(f for f in first.get("flags", "").split()
+                          if f.startswith(ISA_PREFIXES))}
+
+
+# What must match for a row to repeat bit for bit: the CPU exactly, the cores the process may
+# use, JAX, and the text trained on (the harness adds that).
+BITWISE_KEYS = ("cpu", "cpu_family", "cpu_model", "cpu_stepping", "isa", "affinity", "jax")
+
+
+def machine() -> dict:
+    """This machine as a row records it: the CPU exactly (cpu_identity), cores, versions."""
+    try:
+        cpu = cpu_identity(pathlib.Path("/proc/cpuinfo").read_text())
+    except OSError:
+        cpu = {"cpu": platform.processor()}
+    return cpu | {"cores": os.cpu_count(), "jax": importlib.metadata.version("jax"),
+                  "python": platform.python_version(), "platform": platform.platform(),
+                  "affinity": sorted(os.sched_getaffinity(0))}
+
+
+def same_bits(ran: dict, now: dict) -> list[str]:
+    """The fields of BITWISE_KEYS on which two machine records differ (a record older than a
+    field does not name it: that field is listed as unknown)."""
+    return [k if k in ran else f"{k} (not recorded)" for k in BITWISE_KEYS
+            if ran.get(k) != now.get(k)]
 
 
 def machine_name(m: dict) -> str | None:
