@@ -12,9 +12,9 @@ A leaf is named by its key path as plain strings: ("opt_state", "0", "inner_stat
     2: chain(skip_step(chain(...)), schedule): skip-step's state under "0", always present (off
       meant "non-finite rule only"), its metrics in its fields, and a state for the update
       clip even when it was off;
-    3 (today, optim.py): chain(refuse_nonfinite([skip_step](chain(...))), schedule): the
-      always-on non-finite guard under "0", skip-step only when it is on, and each piece's
-      metrics in a `metrics` NamedTuple.
+    3 (today, optim.py): refuse_nonfinite([skip_step](chain(...)), then=schedule), laid out
+      as chain's tuple: the always-on non-finite guard under "0", skip-step only when it is
+      on, and each piece's metrics in a `metrics` NamedTuple.
 """
 
 # config.json keys written by an earlier version, and what they are called now.

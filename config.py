@@ -25,8 +25,9 @@ from compat import RENAMED
 from data import DataConfig, parse_ranges
 from distributed import DistConfig, MeshConfig, say
 from guard import GuardConfig
+from hyperball import beta2_for_batch
 from model import ModelConfig, optimizer_layout
-from optim import OptimConfig, beta2_for_batch, lr_schedule, make_optimizer
+from optim import OptimConfig, lr_schedule, make_optimizer
 from report import acted, read_events
 from tracking import WandbConfig
 
@@ -243,7 +244,7 @@ def make_tx(cfg: TrainConfig):
 
 def applied_optim(cfg: TrainConfig) -> OptimConfig:
     """cfg.optim as the optimizer applies it: with --optim.b2-rule batch, beta2 from the batch's
-    tokens (optim.beta2_for_batch: 0.9999 for the story's 2,048, 0.95 for the 32B's 33.5M)."""
+    tokens (hyperball.beta2_for_batch: 0.9999 for the story's 2,048, 0.95 for the 32B's 33.5M)."""
     if cfg.optim.b2_rule == "fixed":
         return cfg.optim
     return dataclasses.replace(cfg.optim, b2=beta2_for_batch(cfg.data.batch_size
@@ -278,7 +279,9 @@ def check_same_run(stored: TrainConfig, cfg: TrainConfig, taken: int = 0) -> Non
     `--steps` may change too where that changes no step already taken (`taken` of them): the
     LR schedule must give the same value at every one of them (a constant schedule, or a
     warmup-stable-decay one whose decay has not begun)."""
-    old, new = flatten(dataclasses.asdict(stored)), flatten(dataclasses.asdict(cfg))
+    def settings(c: TrainConfig) -> dict:  # a default compares equal to the value it stands for
+        return flatten(dataclasses.asdict(c)) | {"optim.max_grad_norm": c.optim.clip_norm}
+    old, new = settings(stored), settings(cfg)
     diffs = [f"{k} (run has {old.get(k)!r}, flags give {new.get(k)!r})"
              for k in sorted(set(old) | set(new))
              if k not in RESUMABLE | SWITCHABLE and old.get(k) != new.get(k)]
@@ -373,7 +376,7 @@ def identity(cfg: TrainConfig) -> str:
     """The run in three lines: the model, the optimizer and its levers, the data."""
     m, o, d = cfg.model, applied_optim(cfg), cfg.data
     levers = [x for x, on in (("QK-Norm", m.qk_norm), (f"QK-Clip {o.qk_clip:g}", o.qk_clip),
-                              (f"grad clip {o.max_grad_norm:g}", o.max_grad_norm),
+                              (f"grad clip {o.clip_norm:g}", o.clip_norm),
                               ("skip-step", o.skip_step), (f"update clip {o.update_clip}",
                                                            o.update_clip != "off"),
                               (f"attention gate ({m.attn_gate}, {m.attn_gate_form})",

@@ -271,7 +271,12 @@ class TokenData:
             raise ValueError(f"{name} has {tokens.size} tokens: too short for one training "
                              f"sequence of {self.row_len} (plus a held-out slice); use more data "
                              "or a smaller --data.seq-len")
-        self.replaced = parse_ranges(cfg.replace_batches, "replace_batches")
+        self.replace_batches(cfg.replace_batches)
+
+    def replace_batches(self, spec: str) -> None:
+        """The batches of the steps in `spec` ("a-b,c") drawn from other streams (the guard's
+        replaced windows: a step in k windows draws from stream k)."""
+        self.replaced = parse_ranges(spec, "replace_batches")
 
     def corpus(self) -> dict:
         """What this data is, to check that a resume or a warm start reads the same text: the

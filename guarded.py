@@ -1,13 +1,13 @@
-"""The guard's run-time (`train.py --guard`): it drives train.py's loop from outside.
+"""The guard's run-time (`train.py --guard`): it consumes the training loop (loop.py).
 
 guard.py holds the guard's rules: the watch over the losses, the plan for a trigger, the record.
-This file runs them. `drive` runs the loop with a `Judge`, which reads each logged step and each
-checkpoint. On a trigger the judge decides, and records the decision in the order that makes a
+This file runs them. `drive` shows a `Judge` each step the loop reads and each checkpoint it
+writes. On a trigger the judge decides, and records the decision in the order that makes a
 kill safe: the bad path's checkpoints are deleted, then the event is recorded, then the run acts
 on it. To go on as before (a one-off, or a shift the data check lets through) the loop just goes
-on. To go back (a rollback, an escalation) or to stop, the loop returns; `drive` restores the
-rollback point, inserts what an escalation adds, and runs the loop again with the changed
-config. The compiled steps, the log and its timers live across the re-entries (train.Run).
+on. To go back (a rollback, an escalation) or to stop, `drive` leaves the loop, restores the
+rollback point, inserts what an escalation adds, and starts a fresh loop with the changed
+config. The compiled steps, the log and its timers live across the restarts (loop.Run).
 """
 
 import dataclasses
@@ -21,8 +21,9 @@ import guard
 from checkpoint import abstract_state, insert_new_leaves, restore_checkpoint
 from cli import UserError
 from config import TrainConfig, config_at, make_tx
-from data import TokenData, parse_ranges
+from data import TokenData
 from distributed import say
+from loop import ended, run_loop, too_many_nonfinite
 from report import acted, describe, read_events
 
 
@@ -75,12 +76,13 @@ def reapply(cfg: TrainConfig, tx, data: TokenData, state, user_cfg: TrainConfig,
 
 
 class Judge:
-    """The guard as train.run_loop's judge. logged() and checkpointed() answer True where the
-    loop must return: the guard goes on from another point (a rollback, an escalation) or
-    stops; go_on() then gives what the loop runs again with."""
+    """The guard over the loop: sees() answers True where the loop must be left (the guard
+    goes on from another point, a rollback or an escalation, or stops); stopped() says which,
+    and go_on() gives what a fresh loop runs with."""
 
-    def __init__(self, run, cfg: TrainConfig, user_cfg: TrainConfig, events: list, start: int):
-        self.run, self.cfg, self.user_cfg, self.events = run, cfg, user_cfg, events
+    def __init__(self, run, cfg: TrainConfig, tx, user_cfg: TrainConfig, events: list,
+                 start: int):
+        self.run, self.cfg, self.tx, self.user_cfg, self.events = run, cfg, tx, user_cfg, events
         self.watched = 0  # logged steps judged by this process (a replayed step again)
         # the losses the guard saw, and the last step's metrics (a prediction a kill interrupted)
         self.seen, self.before = guard.history_before(run.run_dir, start, cfg.model.n_layers)
@@ -113,14 +115,19 @@ class Judge:
         return e["action"] not in ("go-on", "data")
 
     def held_out(self, params) -> float:
-        eval_step = self.run.compiled[(self.cfg.model, self.cfg.optim)][1]
-        return float(eval_step(params, self.run.eval_tokens))
+        return self.run.held_out(self.cfg, self.tx, params)
 
     def resumed(self, start: int) -> bool:
         """A prediction a kill kept from its record, made again (at a checkpoint step)."""
         t = guard.predicted(self.cfg.guard, self.events, start, self.before) \
             if start % self.cfg.checkpoint_every == 0 else None
         return bool(t) and self.decide(t, None)
+
+    def sees(self, info) -> bool:
+        """One StepInfo of the loop: a step read, or a checkpoint written."""
+        if info.kind == "logged":
+            return self.logged(info.record, info.state["params"])
+        return self.checkpointed(info.record["step"] + 1, info.record, info.final)
 
     def logged(self, last: dict, params) -> bool:
         """A logged step: the watch over its loss (NaN where the step was non-finite)."""
@@ -142,16 +149,19 @@ class Judge:
         t = None if final else guard.predicted(self.cfg.guard, self.events, step, last)
         return bool(t) and self.decide(t, None)
 
-    def go_on(self) -> tuple:
-        """(cfg, tx, state) the loop goes on with after the last event: its rollback point
-        restored, what an escalation inserts inserted. Exits on a "stop"."""
+    def stopped(self) -> bool:
+        """The last event is a "stop": said on stderr."""
         e, run = self.events[-1], self.run
         if e["action"] == "stop":
             print(f"stopping: the guard's verdict at step {e['trigger_step']}: {e['why']}. "
                   f"Last checkpoint: step {run.mngr.latest_step()} in {run.run_dir}",
                   file=sys.stderr)
-            run.log.tracker.finish()
-            sys.exit(1)
+        return e["action"] == "stop"
+
+    def go_on(self) -> tuple:
+        """(cfg, tx, state) a fresh loop goes on with after the last event: its rollback point
+        restored, what an escalation inserts inserted."""
+        e, run = self.events[-1], self.run
         r = e["rollback_to"]
         before = config_at(self.user_cfg, self.events, r)
         state = restore_checkpoint(run.mngr, r, abstract_state(before.model, make_tx(before),
@@ -159,28 +169,35 @@ class Judge:
         tx = make_tx(cfg := config_at(self.user_cfg, self.events))
         if guard.pending_insertion(self.events, r):
             state = insert_new_leaves(cfg, tx, state, run.mesh)
-        run.data.replaced = parse_ranges(cfg.data.replace_batches, "replace_batches")
-        run.log.nonfinite, run.log.since = 0, None
+        run.rolled_back(cfg)
         # the watch goes on from the losses before the rollback point
-        self.cfg = cfg
+        self.cfg, self.tx = cfg, tx
         self.seen = {s: x for s, x in self.seen.items() if r - guard.SPAN <= s < r}
         self.watch = guard.Watch.replay(cfg.guard, self.seen, r, guard.watch_since(self.events))
         return cfg, tx, state
 
 
-def drive(loop, run, cfg: TrainConfig, tx, state, user_cfg: TrainConfig,
+def drive(run, cfg: TrainConfig, tx, state, user_cfg: TrainConfig,
           events: list) -> tuple[str, dict]:
-    """Run `loop` (train.run_loop) with the guard as its judge, again from each point the guard
-    goes on from, until it stops for another reason; returns (that reason, the last metrics)."""
-    judge = Judge(run, cfg, user_cfg, list(events), int(state["step"]))
-    judged = judge.resumed(int(state["step"]))
+    """Run the loop with the guard watching, a fresh loop from each point the guard goes on
+    from, until it ends for another reason; returns (that reason, the last step's record)."""
+    judge = Judge(run, cfg, tx, user_cfg, list(events), int(state["step"]))
+    judged, last = judge.resumed(int(state["step"])), {}
     while True:
+        if judged and judge.stopped():
+            return "stopped", last
         if judged:
             cfg, tx, state = judge.go_on()
-        why, state, last = loop(run, cfg, tx, state, judge)
-        if why == "done":
-            say(f"guard: {judge.watched:,} steps watched, {len(judge.events)} event(s) "
-                f"({len(acted(judge.events))} acted on) in {run.run_dir}/events.jsonl")
-        if why != "judged":
-            return why, last
-        judged = True
+        judged = False
+        for info in run_loop(run, cfg, tx, state):
+            last = info.record
+            if judge.sees(info):
+                judged = True
+                break
+            if too_many_nonfinite(run, cfg):
+                return "non-finite", last
+        if not judged:
+            if ended(run) == "done":
+                say(f"guard: {judge.watched:,} steps watched, {len(judge.events)} event(s) "
+                    f"({len(acted(judge.events))} acted on) in {run.run_dir}/events.jsonl")
+            return ended(run), last

@@ -122,6 +122,9 @@ def _constant(value):
     return lambda key, shape: jnp.full(shape, value, jnp.float32)
 
 
+_ZERO = _constant(0.0)  # (a zero-init matrix stays off Hyperball's sphere: its radius is 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
     shape: tuple[int, ...]
@@ -155,7 +158,7 @@ def param_table(cfg: ModelConfig) -> dict[str, ParamSpec]:
         "head": ParamSpec((D, V), ("embed", "vocab"), w, True, (0,)),
     }
     if cfg.attn_gate != "none":
-        init = _constant(0.0) if cfg.attn_gate_form == "marin" else w
+        init = _ZERO if cfg.attn_gate_form == "marin" else w
         table["layers/w_attn_gate"] = (
             ParamSpec((L, D, N), ("layers", "embed", "heads"), init, True, (1,))
             if cfg.attn_gate == "headwise" else
@@ -222,7 +225,9 @@ def matrix_dims(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[int,
 def optimizer_layout(cfg: ModelConfig) -> dict:
     """What optim.make_optimizer reads of the model, all from the table."""
     return {"decay_mask": decay_mask(cfg), "matrix_dims": matrix_dims(cfg),
-            "head_axes": head_axes(cfg), "lr_mults": lr_multipliers(cfg)}
+            "head_axes": head_axes(cfg), "lr_mults": lr_multipliers(cfg),
+            "sphere_mask": _nest({k: s.decay and s.init is not _ZERO
+                                  for k, s in param_table(cfg).items()})}
 
 
 def head_axes(cfg: ModelConfig) -> dict[str, int]:

@@ -8,14 +8,13 @@ Order, as in Levanter (which Marin used), with the learning rate outside the par
 back:
 
     [qk_clip(                                    # optional, Kimi K2: rescale hot q/k heads
-    chain(
       refuse_nonfinite(                          # always: a non-finite step applies nothing
         skip_step(                               # optional, OLMo 2: the whole step, or nothing
           chain(clip_by_global_norm(max_grad_norm),  # or ZClip (z-score of an EMA)
                 scale_by_adam(b1, b2, eps),      # or Muon for matrices
                 add_decayed_weights(wd, mask),   # no decay on norms, embeddings
-                update clipping))),              # optional: rolling norm | per-tensor RMS
-      scale_by_schedule_at_step(schedule)))]     # x -schedule(global step)
+                update clipping)),               # optional: rolling norm | per-tensor RMS
+        then=scale_by_schedule_at_step(schedule)))]  # x -schedule(global step), checked too
 
 NOTE: the schedule reads the global step the trainer passes in (as OLMo-core's), never a count
 in the optimizer state: a skipped step rolls its inner state back, and the LR must not follow.
@@ -31,27 +30,30 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import P
+
+import hyperball as HB
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     # adamh / muonh: Hyperball (Wen et al. 2025): each matrix kept on the sphere of its initial
-    # norm, its LR an angular step; the other leaves on Adam at --optim.adam-lr (no decay)
+    # norm, its LR an angular step; the other leaves on Adam at --optim.adam-lr (no decay).
+    # muonh is the hero run's (marin experiments/grug/moe_hero_ep/optimizer.py)
     optimizer: Literal["adamw", "muon", "adamh", "muonh"] = "adamw"
     adam_lr: float = 0.0  # adamh / muonh: the peak LR of the non-matrix leaves (0: --optim.lr)
     # Muon: the hidden matrices on Muon, the rest on AdamW (Levanter's and K. Jordan's split)
     muon_momentum: float = 0.95  # Muon's Nesterov momentum (Keller Jordan's, Levanter's 0.95)
-    muon_head: bool = False  # orthogonalise the LM head too (the variant run before)
     lr: float = 3e-3  # peak learning rate (Marin 32B: 7e-4)
     b1: float = 0.9
     b2: float = 0.95
     # "batch": beta2 from the batch, clip(0.999 ** (tokens a step / 131,072), 0.95, 0.9999)
-    # (marin PR #2447, "Beta2 gets a bit wacky with very large batch sizes"), not --optim.b2
+    # (the hero run's rule, marin #5951), not --optim.b2
     b2_rule: Literal["fixed", "batch"] = "fixed"
     eps: float = 1e-8
     weight_decay: float = 0.05  # Marin 32B
-    max_grad_norm: float = 1.0  # Marin tightened 1.0 -> 0.2 at ~56k; 0 turns clipping off
+    # Marin tightened 1.0 -> 0.2 at ~56k; 0 turns clipping off; None: the optimizer's own
+    # (1.0, as Marin's 32B and Levanter's AdamH; none under muonh, as the hero's MuonH)
+    max_grad_norm: float | None = None
     # "norm": clip the global grad norm at max_grad_norm; "zclip": ZClip, clip a norm whose
     # z-score over an EMA of past norms exceeds zclip_z (max_grad_norm the hard cap)
     grad_clip: Literal["norm", "zclip"] = "norm"
@@ -87,8 +89,8 @@ class OptimConfig:
         check(("lr", "eps", "skip_sigma", "update_clip_sigma", "update_rms_threshold",
                "zclip_z"),
               lambda x: 0 < x < math.inf, "a positive finite number")
-        check(("max_grad_norm", "weight_decay", "qk_clip", "adam_lr"), lambda x: 0 <= x < math.inf,
-              ">= 0 and finite (0 turns it off)")
+        check(("max_grad_norm", "weight_decay", "qk_clip", "adam_lr"),
+              lambda x: x is None or 0 <= x < math.inf, ">= 0 and finite (0 turns it off)")
         check(("b1", "b2", "zclip_alpha", "muon_momentum"), lambda x: 0 <= x < 1, "in [0, 1)")
         check(("zclip_warmup",), lambda x: x >= 2, ">= 2")
         check(("decay_fraction", "min_lr_ratio", "rewarmup_from_ratio"), lambda x: 0 <= x <= 1,
@@ -97,9 +99,20 @@ class OptimConfig:
         check(("rewarmup_start",), lambda x: x >= -1, ">= 0 (or -1: no re-warmup)")
         check(("skip_window", "update_clip_window"), lambda x: x >= 2, ">= 2")
         check(("skip_patience",), lambda x: x >= 1, ">= 1")
-        if self.qk_clip and self.optimizer in ("adamh", "muonh"):
+        if self.qk_clip and self.hyperball:
             raise ValueError("optim.qk_clip rescales q/k weights off their sphere: not with "
                              f"--optim.optimizer {self.optimizer}")
+
+    @property
+    def hyperball(self) -> bool:
+        return self.optimizer in ("adamh", "muonh")
+
+    @property
+    def clip_norm(self) -> float:
+        """The gradient clip applied (0: none): max_grad_norm, or the optimizer's default."""
+        if self.max_grad_norm is not None:
+            return self.max_grad_norm
+        return 0.0 if self.optimizer == "muonh" else 1.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,25 +216,41 @@ class NonfiniteState(NamedTuple):
     metrics: NonfiniteMetrics
 
 
-def refuse_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+def refuse_nonfinite(inner: optax.GradientTransformation,
+                     then: optax.GradientTransformation | None = None
+                     ) -> optax.GradientTransformationExtraArgs:
     """A non-finite loss, gradient or update applies nothing, `inner`'s state kept exactly;
-    always on. (optax's apply_if_finite too, but applies after N bad steps in a row.)"""
+    always on. (optax's apply_if_finite too, but applies after N bad steps in a row.) `then`:
+    the LR step after `inner` (state: optax.chain's tuple of both), whose final update is
+    checked too: Hyperball's projection can make a non-finite step from a finite direction."""
     inner = optax.with_extra_args_support(inner)
+    then = optax.with_extra_args_support(then) if then is not None else None
 
     def init(params):
-        return NonfiniteState(inner.init(params), _zeros(NonfiniteMetrics))
+        state = NonfiniteState(inner.init(params), _zeros(NonfiniteMetrics))
+        return state if then is None else (state, then.init(params))
 
     def update(grads, state, params=None, *, loss, **extra):
+        guard, then_state = (state, None) if then is None else state
         grad_norm = optax.tree.norm(grads)
-        new_updates, new_inner = inner.update(grads, state.inner_state, params, loss=loss,
+        new_updates, new_inner = inner.update(grads, guard.inner_state, params, loss=loss,
                                               **extra)
         update_norm = optax.tree.norm(new_updates)
         refused = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm))
         updates = jax.tree.map(lambda u: jnp.where(refused, jnp.zeros_like(u), u), new_updates)
+        if then is not None:  # the final update, checked too
+            updates, new_then = then.update(updates, then_state, params, loss=loss, **extra)
+            bad = ~jnp.all(jnp.stack([jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates)]))
+            updates = jax.tree.map(lambda u: jnp.where(bad, jnp.zeros_like(u), u), updates)
+            refused = refused | bad
         inner_state = jax.tree.map(lambda new, old: jnp.where(refused, old, new),
-                                   new_inner, state.inner_state)
+                                   new_inner, guard.inner_state)
         metrics = NonfiniteMetrics(refused, grad_norm, jnp.where(refused, 0.0, update_norm))
-        return updates, NonfiniteState(inner_state, metrics)
+        guard = NonfiniteState(inner_state, metrics)
+        if then is None:
+            return updates, guard
+        return updates, (guard, jax.tree.map(lambda new, old: jnp.where(refused, old, new),
+                                             new_then, then_state))
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -341,18 +370,28 @@ def is_stacked(path) -> bool:
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int, decay_mask, matrix_dims=None,
-                   head_axes=None, lr_mults=None) -> optax.GradientTransformationExtraArgs:
+                   head_axes=None, lr_mults=None, sphere_mask=None
+                   ) -> optax.GradientTransformationExtraArgs:
     """The optimizer of `cfg`, laid out by the model's parameter table: model.decay_mask,
     matrix_dims (Muon), head_axes (QK-Clip), lr_multipliers (muP: Adam's direction times each
-    parameter's multiplier, before weight decay, so every other piece acts as without it)."""
+    parameter's multiplier, before weight decay, so every other piece acts as without it),
+    sphere_mask (Hyperball's matrices: decay_mask's leaves whose init is not zero)."""
     schedule = lr_schedule(cfg, total_steps)
-    hyperball = cfg.optimizer in ("adamh", "muonh")  # on the matrices: decay_mask's leaves
-    direction = optax.scale_by_adam(cfg.b1, cfg.b2, cfg.eps) if cfg.optimizer in (
-        "adamw", "adamh") else muon_with_adam(cfg, decay_mask, matrix_dims)
-    grad_clip = optax.clip_by_global_norm(cfg.max_grad_norm) if cfg.max_grad_norm > 0 \
-        else optax.identity()
+    sphere = decay_mask if sphere_mask is None else sphere_mask
+    groups = HB.hyperball_groups(cfg.optimizer, sphere, matrix_dims) if cfg.hyperball \
+        else None
+    moments = (cfg.muon_momentum, cfg.b1, cfg.b2, cfg.eps)
+    if cfg.optimizer == "muonh":
+        direction = HB.hero_muon_with_adam(groups, matrix_dims, *moments)
+    elif cfg.optimizer == "muon":
+        direction = HB.muon_with_adam(decay_mask, matrix_dims, *moments)
+    else:
+        direction = optax.scale_by_adam(cfg.b1, cfg.b2, cfg.eps)
+    clip = cfg.clip_norm
+    grad_clip = optax.identity() if clip == 0 else HB.clip_by_group_norm(clip, groups) \
+        if groups else optax.clip_by_global_norm(clip)
     if cfg.grad_clip == "zclip":
-        grad_clip = zclip(cfg.zclip_alpha, cfg.zclip_z, cfg.zclip_warmup, cfg.max_grad_norm)
+        grad_clip = zclip(cfg.zclip_alpha, cfg.zclip_z, cfg.zclip_warmup, clip)
     update_clip = {"norm": [clip_update_norm(cfg.update_clip_window, cfg.update_clip_sigma)],
                    "rms": [clip_update_rms(cfg.update_rms_threshold, stacked=is_stacked)],
                    "off": []}[cfg.update_clip]
@@ -360,14 +399,14 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, decay_mask, matrix_dims=N
         grad_clip,
         direction,
         *([scale_per_leaf(lr_mults)] if lr_mults is not None else []),
-        optax.add_decayed_weights(0.0 if hyperball else cfg.weight_decay, decay_mask),
+        optax.add_decayed_weights(0.0 if cfg.hyperball else cfg.weight_decay, decay_mask),
         *update_clip,
     )
     if cfg.skip_step:
         inner = skip_step(inner, cfg.skip_window, cfg.skip_sigma, patience=cfg.skip_patience)
-    step = hyperball_at_step(schedule, decay_mask, (cfg.adam_lr or cfg.lr) / cfg.lr) \
-        if hyperball else scale_by_schedule_at_step(schedule)
-    tx = optax.chain(refuse_nonfinite(inner), step)
+    step = HB.hyperball_at_step(schedule, sphere, (cfg.adam_lr or cfg.lr) / cfg.lr) \
+        if cfg.hyperball else scale_by_schedule_at_step(schedule)
+    tx = refuse_nonfinite(inner, then=step)
     return qk_clip(tx, cfg.qk_clip, cfg.qk_clip_start, head_axes) if cfg.qk_clip > 0 else tx
 
 
@@ -422,36 +461,6 @@ def opt_metrics(opt_state, max_grad_norm: float = 0.0) -> dict:
         out |= {"update_norm": jnp.where(skipped, 0.0, c.norm_before),
                 "update_clip_threshold": c.threshold}
     return out | {"skipped": skipped.astype(jnp.int32)}
-
-
-def per_layer_norms(tree: dict) -> jax.Array:
-    """[L] L2 norms over the stacked per-layer leaves of a params-shaped tree."""
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=tuple(range(1, x.ndim)))
-                        for x in jax.tree.leaves(tree["layers"])))
-
-
-def per_layer_metrics(params, grads, updates, opt_state, spectral: bool = False) -> dict:
-    """[L] per-layer norms of what moves before a spike (Marin: the update spikes first, in
-    the lower layers): gradients, updates (and over the weights), q/k weights, Adam's moments
-    and the RMS of m / sqrt(v) (Marin #1368), read from the optimizer state; with `spectral`,
-    the q/k weights' spectral entropy."""
-    out = {"grad_norm_per_layer": per_layer_norms(grads),
-           "update_norm_per_layer": per_layer_norms(updates)}
-    out["update_ratio_per_layer"] = out["update_norm_per_layer"] / per_layer_norms(params)
-    out |= {f"{w}_norm": per_layer_norms({"layers": {w: params["layers"][w]}})
-            for w in ("wq", "wk")}
-    adam = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
-        x, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState)]
-    if adam and jax.tree.leaves(adam[0].mu.get("layers", {})):  # (Muon: Adam has the norms)
-        mu, nu = adam[0].mu, adam[0].nu
-        out["adam_mu_norm_per_layer"] = per_layer_norms(mu)
-        out["adam_nu_norm_per_layer"] = per_layer_norms(nu)
-        ratio = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + 1e-8), mu, nu)
-        count = sum(x[0].size for x in jax.tree.leaves(mu["layers"]))
-        out["adam_ratio_rms_per_layer"] = per_layer_norms(ratio) / math.sqrt(count)
-    if spectral:
-        out |= {f"{w}_entropy": spectral_entropy(params["layers"][w]) for w in ("wq", "wk")}
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -546,121 +555,3 @@ def qk_clip(inner: optax.GradientTransformation, tau: float, start: int = 0,
         return {**updates, "layers": layers}, state
 
     return optax.GradientTransformationExtraArgs(inner.init, update)
-
-
-# ---------------------------------------------------------------------------------------------
-# Beyond the card: Muon (Jordan et al. 2024) for the hidden matrices
-
-def muon_with_adam(cfg: OptimConfig, decay_mask, matrix_dims) -> optax.GradientTransformation:
-    """Muon for the hidden matrices, Adam for the rest (norms, embedding, and the LM head
-    unless `muon_head`), as Levanter and Keller Jordan split them. Muon's update is rescaled by
-    0.2 * sqrt(max(fan_in, fan_out)) to Adam's update RMS (Liu et al. 2025, "Muon is
-    scalable"), so one LR serves both. `matrix_dims`: model.matrix_dims. Marin tried it on the
-    32B: "looked great until it didn't"."""
-    if not matrix_dims:
-        raise ValueError("Muon needs the model's matrix dims (model.matrix_dims)")
-
-    def dims(tree):
-        return jax.tree_util.tree_map_with_path(
-            lambda path, _: optax.contrib.MuonDimensionNumbers(*matrix_dims[path[-1].key]), tree)
-
-    def match_adam_rms(updates, state, params=None):
-        def scale(path, u):
-            red, out = matrix_dims[path[-1].key]
-            fan = max(math.prod(u.shape[a] for a in red), math.prod(u.shape[a] for a in out))
-            return u * (0.2 * math.sqrt(fan))
-        return jax.tree_util.tree_map_with_path(scale, updates), state
-
-    labels = jax.tree_util.tree_map_with_path(
-        lambda path, decayed: "muon" if decayed and path[-1].key in matrix_dims
-        and (cfg.muon_head or path[-1].key != "head") else "adam", decay_mask)
-    muon = on_whole_arrays(optax.chain(
-        optax.contrib.scale_by_muon(beta=cfg.muon_momentum, eps=cfg.eps,
-                                    weight_dimension_numbers=dims),
-        optax.GradientTransformation(lambda _: optax.EmptyState(), match_adam_rms)))
-    return optax.partition({"muon": muon, "adam": optax.scale_by_adam(cfg.b1, cfg.b2, cfg.eps)},
-                           labels)
-
-
-def on_whole_arrays(inner: optax.GradientTransformation) -> optax.GradientTransformation:
-    """`inner` on whole arrays (Muon orthogonalises whole matrices: all-gathered first)."""
-    def whole(tree):
-        return jax.tree.map(lambda x: jax.reshard(x, P()), tree)
-
-    def like(tree, ref):
-        return jax.tree.map(lambda x, r: jax.reshard(x, jax.typeof(r).sharding.spec), tree, ref)
-
-    def update(updates, state, params=None):
-        out, new_state = inner.update(whole(updates), whole(state), None)
-        return like(out, updates), like(new_state, state)
-    return optax.GradientTransformation(inner.init, update)
-
-
-# ---------------------------------------------------------------------------------------------
-# Beyond the card: the q/k weights' spectral entropy (a metric, --spectral-metrics)
-
-def spectral_entropy(w) -> jax.Array:
-    """[L] per stacked layer of w [L, D, ...]: the order-2 (Renyi) entropy of its spectrum
-    over the log of its size (1 flat, 0 rank one), from the Gram matrix alone (sum p^2 =
-    ||G||_F^2 / tr(G)^2; no SVD). arXiv 2606.28116 names its collapse on q/k an early warning."""
-    w = w.reshape(w.shape[0], w.shape[1], -1).astype(jnp.float32)
-    if jax.typeof(w).sharding.mesh.axis_names:  # (whole matrices)
-        w = jax.sharding.reshard(w, P())
-    gram = jnp.einsum("ldx,ldy->lxy", w, w)
-    trace = jnp.trace(gram, axis1=1, axis2=2)
-    purity = jnp.sum(jnp.square(gram), axis=(1, 2)) / jnp.square(trace)
-    return -jnp.log(purity) / math.log(min(w.shape[1], w.shape[2]))
-
-
-# ---------------------------------------------------------------------------------------------
-# Beyond the card: Hyperball (Wen, Dang, Lyu, Ma, Liang, "Hyperball Optimization", 2025),
-# Levanter's adamH and marin's grug optimizers: what Marin runs after the 32B. As there: the
-# matrices of the parameter table (decay_mask's leaves: projections, MLP, LM head) on their
-# spheres; the embedding and the norms' scales on plain Adam at --optim.adam-lr (Levanter's
-# adam_lr), on the same schedule; no weight decay (the sphere fixes each norm); MuonH takes
-# Muon's direction for the hidden matrices and Adam's for the LM head (marin's grug split).
-
-class HyperballState(NamedTuple):
-    radius: optax.Params  # each matrix's norm where it started (per stacked layer); 0 the rest
-
-
-def matrix_norm(x) -> jax.Array:
-    """A matrix's Frobenius norm in float32: [L] for stacked layers (over each layer's own
-    axes), [] for a 2-D one, as Levanter's adamH takes it."""
-    axes = tuple(range(1, x.ndim)) if x.ndim > 2 else None
-    return jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=axes))
-
-
-def beta2_for_batch(tokens: int) -> float:
-    """marin's beta2 for a batch of `tokens` tokens (PR #2447): 0.999 at 131,072, lower for a
-    larger batch, clipped to [0.95, 0.9999]."""
-    return min(max(0.999 ** (tokens / 131_072), 0.95), 0.9999)
-
-
-def hyperball_at_step(schedule, matrices, adam_ratio: float = 1.0
-                      ) -> optax.GradientTransformationExtraArgs:
-    """The LR step of AdamH / MuonH in place of scale_by_schedule_at_step: each leaf that
-    `matrices` marks keeps the norm R it had at init: W <- R * Norm(W - lr * R * Norm(u)),
-    Norm(x) = x / |x|_F per stacked layer, u the direction (Adam's or Muon's), lr =
-    schedule(step), an angle. The other leaves take -lr * adam_ratio * u. A zero direction
-    (a refused or skipped step) moves nothing. Levanter computes the new norm in closed form;
-    here it is taken from the moved matrix, the same to float rounding."""
-    def init(params):
-        return HyperballState(jax.tree.map(lambda w, on: matrix_norm(w) if on else
-                                           jnp.zeros((), jnp.float32), params, matrices))
-
-    def update(updates, state, params=None, *, step, **extra):
-        lr = schedule(step)
-
-        def one(u, w, r, on):
-            if not on:
-                return jnp.array(-lr * adam_ratio, u.dtype) * u
-            def per_layer(x):
-                return x.reshape(x.shape + (1,) * (w.ndim - x.ndim))
-            w32, u32, r = w.astype(jnp.float32), u.astype(jnp.float32), per_layer(r)
-            u_norm = per_layer(matrix_norm(u32))
-            moved = w32 - lr * r * u32 / jnp.maximum(u_norm, 1e-30)
-            new = r * moved / per_layer(matrix_norm(moved))
-            return jnp.where(u_norm > 0, new - w32, 0.0).astype(u.dtype)
-        return jax.tree.map(one, updates, params, state.radius, matrices), state
-    return optax.GradientTransformationExtraArgs(init, update)

@@ -24,6 +24,9 @@ import time
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
+import optax
+from jax import P
 
 from cli import drop_torn_line, fmt_time, strict_json
 
@@ -140,5 +143,56 @@ class Log:
         self.nonfinite = 0 if finite else self.nonfinite + 1
         return m
 
+    def restart(self) -> None:
+        """After a rollback: no non-finite steps in a row, the rates measured anew."""
+        self.nonfinite, self.since = 0, None
+
     def average_tokens_per_s(self, last_step: int) -> float:
         return self.tokens_per_step * (last_step - self.start) / (self.t_prev - self.t_first)
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-layer metrics the jitted step adds (--per-layer-metrics, --spectral-metrics): cheap
+# reductions of what moves before a spike
+
+def per_layer_norms(tree: dict) -> jax.Array:
+    """[L] L2 norms over the stacked per-layer leaves of a params-shaped tree."""
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=tuple(range(1, x.ndim)))
+                        for x in jax.tree.leaves(tree["layers"])))
+
+
+def per_layer_metrics(params, grads, updates, opt_state, spectral: bool = False) -> dict:
+    """[L] per-layer norms of what moves before a spike (Marin: the update spikes first, in
+    the lower layers): gradients, updates (and over the weights), q/k weights, Adam's moments
+    and the RMS of m / sqrt(v) (Marin #1368), read from the optimizer state; with `spectral`,
+    the q/k weights' spectral entropy."""
+    out = {"grad_norm_per_layer": per_layer_norms(grads),
+           "update_norm_per_layer": per_layer_norms(updates)}
+    out["update_ratio_per_layer"] = out["update_norm_per_layer"] / per_layer_norms(params)
+    out |= {f"{w}_norm": per_layer_norms({"layers": {w: params["layers"][w]}})
+            for w in ("wq", "wk")}
+    adam = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
+        x, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState)]
+    if adam and jax.tree.leaves(adam[0].mu.get("layers", {})):  # (Muon: Adam has the norms)
+        mu, nu = adam[0].mu, adam[0].nu
+        out["adam_mu_norm_per_layer"] = per_layer_norms(mu)
+        out["adam_nu_norm_per_layer"] = per_layer_norms(nu)
+        ratio = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + 1e-8), mu, nu)
+        count = sum(x[0].size for x in jax.tree.leaves(mu["layers"]))
+        out["adam_ratio_rms_per_layer"] = per_layer_norms(ratio) / math.sqrt(count)
+    if spectral:
+        out |= {f"{w}_entropy": spectral_entropy(params["layers"][w]) for w in ("wq", "wk")}
+    return out
+
+
+def spectral_entropy(w) -> jax.Array:
+    """[L] per stacked layer of w [L, D, ...]: the order-2 (Renyi) entropy of its spectrum
+    over the log of its size (1 flat, 0 rank one), from the Gram matrix alone (sum p^2 =
+    ||G||_F^2 / tr(G)^2; no SVD). arXiv 2606.28116 names its collapse on q/k an early warning."""
+    w = w.reshape(w.shape[0], w.shape[1], -1).astype(jnp.float32)
+    if jax.typeof(w).sharding.mesh.axis_names:  # (whole matrices)
+        w = jax.sharding.reshard(w, P())
+    gram = jnp.einsum("ldx,ldy->lxy", w, w)
+    trace = jnp.trace(gram, axis1=1, axis2=2)
+    purity = jnp.sum(jnp.square(gram), axis=(1, 2)) / jnp.square(trace)
+    return -jnp.log(purity) / math.log(min(w.shape[1], w.shape[2]))

@@ -16,6 +16,7 @@ import dataclasses
 import pathlib
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,6 @@ from checkpoint import (
     per_device_bytes,
     resume,
     run_lock,
-    save_checkpoint,
     saved_steps,
     write_config,
 )
@@ -53,21 +53,20 @@ from distributed import (
     StopRequested,
     activation_bytes,
     check_fits,
-    checkpoint_failed,
     give_up,
     peak_tflops,
     peer_lost,
     peer_stopped,
-    process_rows,
     say,
     setup_mesh,
     start_distributed,
 )
 from hf import load_hf
-from model import count_params, flops_per_token, logical_to_spec, loss_fn
-from optim import lr_schedule, opt_metrics, per_layer_metrics
+from loop import BATCH, Run, ended, run_loop, save, too_many_nonfinite
+from model import count_params, flops_per_token, loss_fn
+from optim import lr_schedule, opt_metrics
 from report import final_report
-from tracking import Log
+from tracking import Log, per_layer_metrics
 
 
 def load_data(cfg: TrainConfig) -> TokenData:
@@ -122,7 +121,7 @@ def build_train_step(cfg: TrainConfig, tx):
         if clip:  # heads over the threshold on this batch (clipped, unless nothing applied)
             aux["qk_clip_heads"] = jnp.sum(heads["attn_logit_max_per_head"] > cfg.optim.qk_clip)
         metrics = {"loss": loss, "lr": schedule(state["step"]), **aux,
-                   **opt_metrics(opt_state, cfg.optim.max_grad_norm)}
+                   **opt_metrics(opt_state, cfg.optim.clip_norm)}
         if cfg.per_layer_metrics:
             metrics |= per_layer_metrics(params, grads, updates, opt_state, cfg.spectral_metrics)
         new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
@@ -141,17 +140,6 @@ def make_eval_step(cfg: TrainConfig):
     data) over all C batches, in one jitted pass (lax.map: one batch in memory at a time)."""
     return jax.jit(lambda params, tokens_CBT1: jnp.mean(jax.lax.map(
         lambda tokens_BT1: loss_fn(params, tokens_BT1, cfg.model)[1]["ce"], tokens_CBT1)))
-
-
-BATCH = logical_to_spec(("batch", "seq"))  # a token batch [B, T+1]
-BATCHES = P(None, *BATCH)  # [C, B, T+1]: C batches, each split as BATCH
-
-
-def put_held_out(data: TokenData, mesh, rows: slice = slice(None)) -> jax.Array:
-    """The held-out set on the mesh, each batch split over "data" like a training batch."""
-    C, _, T1 = (local := data.held_out_batches(rows)).shape
-    return jax.make_array_from_process_local_data(jax.NamedSharding(mesh, BATCHES),
-                                                  local, (C, data.cfg.batch_size, T1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,144 +176,128 @@ def dry_run(cfg: TrainConfig) -> None:
         f"({need(rows):.2f} GiB): more devices (--mesh.data, --mesh.model)"))
 
 
-def train(cfg: TrainConfig, devices=None) -> dict:
-    """Train (or resume) in cfg.run_dir on `devices` (default: all); returns the last step's
-    metrics. Raises UserError before writing anything if the config, data or run dir is bad."""
+class Outcome(NamedTuple):
+    """How a run ended: "done", "non-finite" (max_consecutive_nonfinite such steps in a row),
+    "stopped" (the guard's verdict) or "signal" (saved after the step where it came), and the
+    last step's record. main() turns it into the exit status."""
+    why: str
+    last: dict
+    signal: int = 0
+
+    @property
+    def exit_code(self) -> int:
+        return {"done": 0, "signal": 128 + self.signal}.get(self.why, 1)
+
+
+def train(cfg: TrainConfig, devices=None) -> Outcome:
+    """Train (or resume) in cfg.run_dir on `devices` (default: all). Raises UserError before
+    writing anything if the config, data or run dir is bad."""
     if cfg.dry_run:
         dry_run(cfg)
-        return {}
+        return Outcome("done", {})
     mesh = setup_mesh(cfg, devices or jax.devices())
     run_dir = pathlib.Path(cfg.run_dir)
-    check_run_dir(run_dir, cfg.resume_step)
-    stored, steps = load_config(run_dir), saved_steps(run_dir)
-    at = cfg.resume_step if cfg.resume_step is not None else (steps or [0])[-1]
-    user_cfg = resumed(stored, cfg, at) if stored is not None else cfg
-    hf_params = load_hf(pathlib.Path(cfg.init_from_hf), cfg.model) if cfg.init_from_hf and \
-        not steps else None
-    # the guard's recorded actions up to the checkpoint resumed (guarded.py)
-    events, later = guarded.recorded(user_cfg, run_dir, at, bool(steps))
-    cfg = config_at(user_cfg, events, at)  # the checkpoint's shape
-    data, tx = load_data(cfg), make_tx(cfg)
-    if (corpus := data.corpus()) and steps:  # a resume reads the text the run trained on
-        check_corpus(run_dir, corpus)
-    target = abstract_state(cfg.model, tx, mesh)
+    start = read_start(cfg, run_dir)
     lock = run_lock(run_dir, say) if jax.process_index() == 0 else contextlib.nullcontext()
     with lock, jax.set_mesh(mesh):
-        mngr, state = resume(run_dir, target, cfg.keep_checkpoints, cfg.resume_step, say)
-        if state is None:
-            state = fresh_state(cfg.model, cfg.seed, tx, target)
-            if hf_params is not None:  # (Adam's moments start at zero either way)
-                state["params"] = jax.tree.map(lambda x, t: jax.make_array_from_callback(
-                    x.shape, t.sharding, lambda i: x[i]), hf_params, target["params"])
-            n = count_params(cfg.model)
-            say(f"new run {run_dir}: {n / 1e6:.2f}M params, {cfg.steps} steps, "
-                f"mesh {cfg.mesh.data}x{cfg.mesh.model} on {jax.process_count()} process(es), "
-                f"{data.train.size:,} training tokens")
-            if hf_params is not None:
-                say(f"parameters from the Hugging Face folder {cfg.init_from_hf} "
-                    f"({len(jax.tree.leaves(hf_params))} tensors; Adam's moments at zero)")
-        if events or later:
-            cfg, tx, data, state = guarded.reapply(cfg, tx, data, state, user_cfg, events,
-                                                   later, run_dir, mesh)
-        say(identity(cfg))
-        if jax.process_index() == 0:
-            write_config(run_dir, dataclasses.asdict(user_cfg) | {"corpus": corpus})
-        mngr = mngr or checkpoint_manager(run_dir, cfg.keep_checkpoints)
-        if (start := int(state["step"])) >= cfg.steps:  # a finished run, resumed
-            say(f"{run_dir} is done (step {start} of {cfg.steps}): sample it with python "
-                f"sample.py {run_dir}; {train_on(cfg, start)}"
+        cfg, tx, data, state, mngr = set_up(start, run_dir, mesh)
+        if (first := int(state["step"])) >= cfg.steps:  # a finished run, resumed
+            say(f"{run_dir} is done (step {first} of {cfg.steps}): sample it with python "
+                f"sample.py {run_dir}; {train_on(cfg, first)}"
                 + (f"; nothing trains, so nothing goes to W&B (--wandb.project "
                    f"{cfg.wandb.project})" if cfg.wandb.project else ""))
-            return {}
-        if cfg.steps < cfg.optim.warmup_steps:
-            say(f"note: --steps {cfg.steps} ends inside the LR warmup ({cfg.optim.warmup_steps} "
-                "steps): the run never reaches its peak LR")
+            return Outcome("done", {})
         with StopRequested(run_dir) as stop:
-            peak, source = peak_tflops(cfg.peak_tflops)  # a device's
-            say(f"MFU against {peak:g} TFLOP/s a device ({source})" if peak else
-                f"MFU: no peak known for {jax.devices()[0].device_kind} (--peak-tflops P shows "
-                "it; bench/README.md has this CPU's matmul rate)")
-            log = Log(cfg, run_dir, start, flops_per_token(cfg.model, cfg.data.seq_len),
-                      peak * 1e12 * cfg.mesh.data * cfg.mesh.model)
-            run = Run(run_dir, mesh, mngr, data, log, stop)
-            if cfg.guard.on:  # the guard drives the loop from outside
-                why, last = guarded.drive(run_loop, run, cfg, tx, state, user_cfg, events)
+            run = Run(run_dir, mesh, mngr, data, open_log(cfg, run_dir, first), stop,
+                      lambda cfg, tx: (make_train_step(cfg, tx), make_eval_step(cfg)))
+            if cfg.guard.on:  # the guard consumes the loop (guarded.py)
+                why, last = guarded.drive(run, cfg, tx, state, start.user_cfg, start.events)
             else:
-                why, _, last = run_loop(run, cfg, tx, state)
-            return finish(run, why, last, start)
+                why, last = ended(run), {}
+                for info in run_loop(run, cfg, tx, state):
+                    last = info.record
+                    if too_many_nonfinite(run, cfg):
+                        why = "non-finite"
+                        break
+            return finish(run, why, last, first)
 
 
-class Run:
-    """What lives across the loop's re-entries (the guard's rollbacks): the run directory,
-    its checkpoints, data, log and stop flag, and the compiled steps, one pair per (model,
-    optim) config, so that going back to a step compiles nothing."""
-
-    def __init__(self, run_dir, mesh, mngr, data: TokenData, log: Log, stop: StopRequested):
-        self.run_dir, self.mesh, self.mngr, self.data, self.log, self.stop = \
-            run_dir, mesh, mngr, data, log, stop
-        self.batch_sharding = jax.NamedSharding(mesh, BATCH)
-        self.rows = process_rows(self.batch_sharding, data.cfg.batch_size)
-        self.eval_tokens = put_held_out(data, mesh, self.rows)
-        self.compiled = {}
-
-    def steps(self, cfg: TrainConfig, tx) -> tuple:
-        """(train_step, eval_step) for cfg's model and optimizer, compiled once."""
-        if (key := (cfg.model, cfg.optim)) not in self.compiled:
-            self.compiled[key] = make_train_step(cfg, tx), make_eval_step(cfg)
-        return self.compiled[key]
-
-    def batch(self, step: int) -> jax.Array:
-        """Step `step`'s token batch [B, T+1], split over "data" (this process's rows)."""
-        return jax.make_array_from_process_local_data(self.batch_sharding,
-                                                      self.data.batch(step, self.rows))
+class Start(NamedTuple):
+    """What a run starts from, read and checked before anything is written."""
+    user_cfg: TrainConfig  # the config asked for (a resume: the stored one, as changed)
+    cfg: TrainConfig  # the config at the checkpoint resumed (the guard's actions applied)
+    events: list  # the guard's recorded actions up to that checkpoint...
+    later: list  # ...and after it (a --resume-step went back past them)
+    data: TokenData
+    corpus: dict
+    hf_params: dict | None
 
 
-def run_loop(run: Run, cfg: TrainConfig, tx, state, judge=None) -> tuple[str, dict, dict]:
-    """Train from the state's step to cfg.steps. Returns (why it stopped, the state, the last
-    logged metrics): "done"; "signal" (saved after the step where SIGINT / SIGTERM came);
-    "non-finite" (max_consecutive_nonfinite such steps in a row); or "judged": `judge` (the
-    guard, guarded.py), shown each logged step and each checkpoint, goes on from elsewhere."""
-    train_step, eval_step = run.steps(cfg, tx)
-    step, prev, last = int(state["step"]), None, {}
-    while step < cfg.steps:
-        # batch and step: dispatched, not waited for
-        state, metrics = train_step(state, run.batch(step))
-        done = step + 1
-        # eval: the held-out loss every eval_every steps and after the last
-        if done % cfg.eval_every == 0 or done == cfg.steps:
-            metrics["eval_loss"] = eval_step(state["params"], run.eval_tokens)
-        # log step s-1: read only now that step s is dispatched (reading step s's would make
-        # the host wait while the device idles)
-        if prev is not None:
-            last, prev = run.log.record(*prev), None
-            if judge and judge.logged(last, state["params"]):
-                return "judged", state, last
-            if run.log.nonfinite >= cfg.max_consecutive_nonfinite:
-                return "non-finite", state, last
-        prev = (step, metrics)
-        # checkpoint (a judge reads the step before it is saved, then the checkpoint), and
-        # stop after the step where a signal came
-        stopping = run.stop.requested(step)
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping:
-            if judge:
-                last, prev = run.log.record(*prev), None
-                if judge.logged(last, state["params"]):
-                    return "judged", state, last
-            save(run, done, cfg, state)
-            if judge and judge.checkpointed(done, last, final=done == cfg.steps or stopping):
-                return "judged", state, last
-        if stopping:
-            break
-        step += 1
-    if prev is not None:
-        last = run.log.record(*prev)
-    return ("signal" if run.stop.signal else "done"), state, last
+def read_start(cfg: TrainConfig, run_dir: pathlib.Path) -> Start:
+    check_run_dir(run_dir, cfg.resume_step)
+    stored, checkpoints = load_config(run_dir), saved_steps(run_dir)
+    at = cfg.resume_step if cfg.resume_step is not None else (checkpoints or [0])[-1]
+    user_cfg = resumed(stored, cfg, at) if stored is not None else cfg
+    hf_params = load_hf(pathlib.Path(cfg.init_from_hf), cfg.model) if cfg.init_from_hf and \
+        not checkpoints else None
+    events, later = guarded.recorded(user_cfg, run_dir, at, bool(checkpoints))
+    cfg = config_at(user_cfg, events, at)  # the checkpoint's shape
+    data = load_data(cfg)
+    if (corpus := data.corpus()) and checkpoints:  # a resume reads the text the run trained on
+        check_corpus(run_dir, corpus)
+    return Start(user_cfg, cfg, events, later, data, corpus, hf_params)
 
 
-def finish(run: Run, why: str, last: dict, start: int) -> dict:
-    """After the loop: a non-finite stretch or a signal exits (the checkpoints written); a
-    finished run reports. Returns the last step's metrics."""
-    if last and last["step"] > start:
+def set_up(start: Start, run_dir: pathlib.Path, mesh) -> tuple:
+    """(cfg, tx, data, state, checkpoint manager): the checkpoint resumed (the guard's actions
+    re-applied) or a fresh state; config.json written."""
+    cfg, data, tx = start.cfg, start.data, make_tx(start.cfg)
+    target = abstract_state(cfg.model, tx, mesh)
+    mngr, state = resume(run_dir, target, cfg.keep_checkpoints, cfg.resume_step, say)
+    if state is None:
+        state = fresh(cfg, tx, target, start.hf_params, run_dir, data)
+    if start.events or start.later:
+        cfg, tx, data, state = guarded.reapply(cfg, tx, data, state, start.user_cfg,
+                                               start.events, start.later, run_dir, mesh)
+    say(identity(cfg))
+    if jax.process_index() == 0:
+        write_config(run_dir, dataclasses.asdict(start.user_cfg) | {"corpus": start.corpus})
+    return cfg, tx, data, state, mngr or checkpoint_manager(run_dir, cfg.keep_checkpoints)
+
+
+def fresh(cfg: TrainConfig, tx, target, hf_params, run_dir, data) -> dict:
+    """A new run's state: initialised, or the parameters of a Hugging Face folder (Adam's
+    moments start at zero either way)."""
+    state = fresh_state(cfg.model, cfg.seed, tx, target)
+    if hf_params is not None:
+        state["params"] = jax.tree.map(lambda x, t: jax.make_array_from_callback(
+            x.shape, t.sharding, lambda i: x[i]), hf_params, target["params"])
+    n = count_params(cfg.model)
+    say(f"new run {run_dir}: {n / 1e6:.2f}M params, {cfg.steps} steps, mesh "
+        f"{cfg.mesh.data}x{cfg.mesh.model} on {jax.process_count()} process(es), "
+        f"{data.train.size:,} training tokens")
+    if hf_params is not None:
+        say(f"parameters from the Hugging Face folder {cfg.init_from_hf} "
+            f"({len(jax.tree.leaves(hf_params))} tensors; Adam's moments at zero)")
+    return state
+
+
+def open_log(cfg: TrainConfig, run_dir: pathlib.Path, first: int) -> Log:
+    """The metrics log, its MFU measured against a device's peak (said once)."""
+    if cfg.steps < cfg.optim.warmup_steps:
+        say(f"note: --steps {cfg.steps} ends inside the LR warmup ({cfg.optim.warmup_steps} "
+            "steps): the run never reaches its peak LR")
+    peak, source = peak_tflops(cfg.peak_tflops)  # a device's
+    say(f"MFU against {peak:g} TFLOP/s a device ({source})" if peak else
+        f"MFU: no peak known for {jax.devices()[0].device_kind} (--peak-tflops P shows it; "
+        "bench/README.md has this CPU's matmul rate)")
+    return Log(cfg, run_dir, first, flops_per_token(cfg.model, cfg.data.seq_len),
+               peak * 1e12 * cfg.mesh.data * cfg.mesh.model)
+
+
+def finish(run: Run, why: str, last: dict, first: int) -> Outcome:
+    """After the loop: the saves waited for; a finished run reports, a stopped one says why."""
+    if last and last["step"] > first:
         last["avg_tokens_per_s"] = run.log.average_tokens_per_s(last["step"])
     save(run)
     if why == "non-finite":
@@ -336,23 +308,10 @@ def finish(run: Run, why: str, last: dict, start: int) -> dict:
         say(f"saved step {last['step'] + 1} to {run.run_dir}; resume with the same command")
     if why != "done":
         run.log.tracker.finish()
-        sys.exit(1 if why == "non-finite" else 128 + run.stop.signal)
-    if run.log.file:
+    elif run.log.file:
         run.log.file.close()
         final_report(run.run_dir, token_unit(run.data.cfg.source), run.log.tracker)
-    return last
-
-
-def save(run: Run, step=None, cfg=None, state=None) -> None:
-    """Save a checkpoint (asynchronously), or with no step wait for the saves in flight; a
-    failed write ends the run on every process (distributed.checkpoint_failed)."""
-    try:
-        if step is None:
-            run.mngr.wait_until_finished()
-        else:
-            save_checkpoint(run.mngr, step, state, dataclasses.asdict(cfg))
-    except Exception as e:
-        checkpoint_failed(e, run.run_dir)
+    return Outcome(why, last, run.stop.signal or 0)
 
 
 @command
@@ -361,7 +320,7 @@ def main(argv: list[str]) -> int:
     start_distributed(cfg.dist)
     t0 = time.perf_counter()
     try:
-        last = train(cfg)
+        outcome = train(cfg)
     except Exception as e:  # a collective cut off by a process that stopped
         if isinstance(e, jax.errors.JaxRuntimeError) and (peer := peer_stopped()):
             give_up(f"error: {peer}; process {jax.process_index()} stops too", code=1)
@@ -372,9 +331,9 @@ def main(argv: list[str]) -> int:
                     f"({lost}); this one stops too. The same command on every process resumes "
                     "from the last checkpoint", code=1)  # waits for it, then aborts in C++
         raise
-    if last:
-        say(done_line(cfg, last, time.perf_counter() - t0))
-    return 0
+    if outcome.why == "done" and outcome.last:
+        say(done_line(cfg, outcome.last, time.perf_counter() - t0))
+    return outcome.exit_code
 
 
 def done_line(cfg: TrainConfig, last: dict, seconds: float) -> str:

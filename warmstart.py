@@ -53,6 +53,7 @@ from config import (
     parse_flags,
 )
 from distributed import setup_mesh
+from loop import put_held_out
 from optim import lr_schedule
 
 
@@ -222,7 +223,7 @@ def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> TrainCon
         source, state, carried, new, dropped = convert_checkpoint(src_run, step, src_cfg, cfg,
                                                                   mesh, dst_run)
         seconds = time.perf_counter() - t0
-        tokens = train.put_held_out(data, mesh)
+        tokens = put_held_out(data, mesh)
         loss_before = float(train.make_eval_step(src_cfg)(source["params"], tokens))
         loss_after = float(train.make_eval_step(cfg)(state["params"], tokens))
 
@@ -253,11 +254,12 @@ def main(argv: list[str]) -> int:
     args, overrides = parse_args(argv)
     t0 = time.perf_counter()
     cfg = convert(args, overrides)
-    if not args.no_train:
-        last = train.train(cfg)
-        if last:  # (a finished warm start run again says so, and trains nothing)
-            print(train.done_line(cfg, last, time.perf_counter() - t0))
-    return 0
+    if args.no_train:
+        return 0
+    outcome = train.train(cfg)
+    if outcome.why == "done" and outcome.last:  # (a finished one run again trains nothing)
+        print(train.done_line(cfg, outcome.last, time.perf_counter() - t0))
+    return outcome.exit_code
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ CHECKPOINT_EVERY = 100
 
 def plain_adamw(cfg: O.OptimConfig, total_steps: int, mask):
     return optax.with_extra_args_support(optax.chain(
-        optax.clip_by_global_norm(cfg.max_grad_norm),
+        optax.clip_by_global_norm(cfg.clip_norm),
         optax.scale_by_adam(cfg.b1, cfg.b2, cfg.eps),
         optax.add_decayed_weights(cfg.weight_decay, mask),
         optax.scale_by_learning_rate(O.lr_schedule(cfg, total_steps))))
@@ -815,7 +815,7 @@ def story_main(args) -> int:
         print(f"2/3 the train.py loop: {steps} steps of `python train.py story`", flush=True)
         run = dataclasses.replace(cfg, steps=steps, run_dir=f"{tmp}/run")
         with contextlib.redirect_stdout(io.StringIO()):
-            last = T.train(run)
+            last = T.train(run).last
         loop_s = run.data.batch_size * run.data.seq_len / last["avg_tokens_per_s"]
     print("3/3 the search harness: 3 seeds, 50 and 350 steps (the difference: 300 steps, "
           "no compile)", flush=True)

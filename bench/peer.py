@@ -105,8 +105,8 @@ def timer(cfg, tokens: np.ndarray):
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(p, batch, cfg.model)
         loss.backward()
-        if cfg.optim.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
+        if cfg.optim.clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, cfg.optim.clip_norm)
         opt.step()
         step[0] += 1
         return loss

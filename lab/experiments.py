@@ -86,7 +86,7 @@ from lab.stats import (
     compare,
     spread,
 )
-from lab.store import layer_max, load, machine, read_curve
+from lab.store import layer_max, load, machine, read_curve, same_bits
 from lab.tables import (
     RESULTS,
     evidence_json,

@@ -20,7 +20,7 @@ experiments.py's `story8` rows: no new training), per step, as the largest over 
   them, `story8-signals` and its twin): `update/param`, the layer's update norm over its weight
   norm; `m/sqrt(v) rms`, the RMS of Adam's m / sqrt(v) over the layer's elements (the
   per-element form of `adam-ratio`); `qk-entropy-drop` (with `--spectral-metrics`): the fall
-  of the q/k weights' spectral entropy over 100 steps (optim.spectral_entropy);
+  of the q/k weights' spectral entropy over 100 steps (tracking.spectral_entropy);
 - `step (control)`: the step itself. Episodes come late in a run and several signals grow with
   time, so a signal foresees an episode only where it does better than this control.
 

@@ -172,7 +172,9 @@ LEVERS = [
     lever("softcap-50", model={"attn_softcap": 50.0}),  # Gemma 2's cap
     lever("zclip", grad_clip="zclip"),
     lever("update-clip-rms", update_clip="rms"),
-    lever("muon", optimizer="muon", muon_head=True),  # (the variant run then: LM head on Muon)
+    # (stored as run then, with the LM head on Muon too: its settings in results/search.json
+    # say muon_head; the trainer no longer offers that variant, so this row is not run again)
+    lever("muon", optimizer="muon"),
 ]
 # LR sensitivity as Wortsman et al. (2309.14322) define it: the story regime at each LR of a
 # half-decade grid from 1e-3 to 1, with and without QK-Norm, one group per LR and arm (each
@@ -411,9 +413,10 @@ TEACH_ROWS = [*TEACH_SCREEN, *TEACH8_ROWS]
 # After the 32B: Hyperball (AdamH), declared before any of these runs. On the story regime (8
 # seeds, its rules as they stand): AdamH's angle a step by Levanter's AdamHConfig rule,
 # sqrt(Adam's LR x weight decay) = sqrt(5e-2 x 0.1) = 0.07, the embedding and norms on Adam at
-# the story's 5e-2; the same with QK-Norm; the story at beta2 from the batch (marin PR #2447:
-# 0.9999 for 2,048 tokens); and AdamH switched on mid-run at story8-qk-inserted's forks (the same
-# steps, the same 100-step re-warmup from 0.1x), each matrix's radius its norm at the switch.
+# the story's 5e-2; the same with QK-Norm; the story at beta2 from the batch (the hero run's
+# rule, marin #5951: 0.9999 for 2,048 tokens); and AdamH switched on mid-run at
+# story8-qk-inserted's forks (the same steps, the same 100-step re-warmup from 0.1x), each
+# matrix's radius its norm at the switch.
 ADAMH = (("optimizer", "adamh"), ("adam_lr", 0.05))
 REWARM = (("rewarmup_steps", 100), ("rewarmup_from_ratio", 0.1))
 HYPERBALL_ROWS = [dataclasses.replace(EVIDENCE, name=name, qk_norm=qk, lrs=lrs, optim=optim,
