@@ -19,8 +19,8 @@ uncapped one, the logit growth the cap hides); every form but cudnn has it.
                block, runs without loops, its queries in chunks of 32 positions that skip
                the keys after them, and keeps its probabilities instead)
     cudnn      jax.nn.dot_product_attention(implementation="cudnn"): NVIDIA GPUs, bf16 / fp16
-    auto       cudnn on a GPU with a 16-bit dtype, else blockwise (the fastest form on a 2-core
-               CPU at the lengths bench/bench.py measures; bench/README.md has the figures)
+    auto       cudnn on a GPU with a 16-bit dtype, else blockwise (bench/README.md times the
+               forms on the CPU)
 
 Every form runs per device under `jax.shard_map` (batch over "data", heads over "model"), so
 its loops see plain local arrays.

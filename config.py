@@ -26,9 +26,9 @@ from data import DataConfig, parse_ranges
 from distributed import DistConfig, MeshConfig, say
 from guard import GuardConfig
 from hyperball import beta2_for_batch
-from model import ModelConfig, optimizer_layout
+from model import ModelConfig, nest, optimizer_layout
 from optim import OptimConfig, lr_schedule, make_optimizer
-from report import acted, read_events
+from records import acted, read_events
 from tracking import WandbConfig
 
 
@@ -126,9 +126,8 @@ PRESETS = {
         data=DataConfig(seq_len=32, batch_size=8),
         run_dir="runs/tiny", steps=20, log_every=5, eval_every=10, checkpoint_every=10),
     # The story (lab/rows.py): d_model 64 (d_ff 172), 4 layers, beta2 0.95, no clipping, no
-    # QK-Norm, a 1,000-step linear warmup to a constant LR 5e-2, 4,000 steps. Found by lab/search.py
-    # (results/search.json): it learns like its QK-Norm twin to step 500-1,250, then breaks
-    # with level shifts that never come back (~8 minutes on 2 cores).
+    # QK-Norm, a 1,000-step linear warmup to a constant LR 5e-2, 4,000 steps: the regime
+    # lab/search.py found, and results/README.md's evidence trains.
     "story": TrainConfig(
         model=ModelConfig(d_model=64, d_ff=172, scan_layers=False),  # 4 layers: unrolled
         optim=OptimConfig(lr=5e-2, warmup_steps=1000, b2=0.95, weight_decay=0.1,
@@ -137,9 +136,8 @@ PRESETS = {
         run_dir="runs/story", steps=4000, log_every=250, eval_every=250,
         checkpoint_every=250, keep_checkpoints=20),
     # The story told in 15 minutes (README's recipe): the story's model, a 600-step warmup to LR
-    # 0.12, 1,500 steps, a checkpoint every 100 (where a warm start can begin). Picked by a
-    # recorded screen (lab/rows.py, TEACH_SCREEN): 8 of 8 seeds shift by step 701 without
-    # QK-Norm, 0 of 8 with it (teach8, teach8-qk).
+    # 0.12, 1,500 steps, a checkpoint every 100 (where a warm start can begin); picked by
+    # lab/rows.py's TEACH_SCREEN, by a rule fixed before it ran.
     "teach": TrainConfig(
         model=ModelConfig(d_model=64, d_ff=172, scan_layers=False),
         optim=OptimConfig(lr=0.12, warmup_steps=600, b2=0.95, weight_decay=0.1,
@@ -186,13 +184,7 @@ def config_from_dict(d: dict) -> TrainConfig:
     """A TrainConfig from its asdict() form, as config.json stores it (older names renamed)."""
     subs = {"model": ModelConfig, "optim": OptimConfig, "data": DataConfig, "mesh": MeshConfig,
             "dist": DistConfig, "wandb": WandbConfig, "guard": GuardConfig}
-    nested: dict = {}
-    for key, value in flatten(d).items():
-        *parents, leaf = RENAMED.get(key, key).split(".")
-        node = nested
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
+    nested = nest({RENAMED.get(k, k): v for k, v in flatten(d).items()}, sep=".")
     for key, value in flatten(nested).items():
         check_type(key, value)
     cfg = TrainConfig(**{k: subs[k](**v) if k in subs else v for k, v in nested.items()})
@@ -369,7 +361,12 @@ def config_at(cfg: TrainConfig, events: list, step: int | None = None) -> TrainC
     except ValueError as e:
         done = ", ".join(f"{x['escalation']} at step {x['rollback_to']}" for x in acted(events)
                          if x.get("escalation"))
-        raise UserError(f"the guard escalated this run ({done}; events.jsonl): {e}") from None
+        back = [x["rollback_to"] for x in acted(events) if x.get("escalation")]
+        how = (f". To go on, warm-start a new run from the checkpoint it rolled back to: python "
+               f"warmstart.py --from RUN --to NEW --step {max(back)} --insert none, with a "
+               "--guard.escalate the run can take") if back else ""
+        raise UserError(f"the guard escalated this run ({done}; events.jsonl): {e}{how}") \
+            from None
 
 
 def identity(cfg: TrainConfig) -> str:

@@ -54,7 +54,8 @@ from jax.experimental import multihost_utils
 from tyro.conf import FlagCreatePairsOff
 
 from cli import drop_torn_line, written_whole
-from report import ShiftRule, SpikeRule, acted, read_metrics
+from records import acted, read_metrics
+from report import ShiftRule, SpikeRule
 
 ESCALATIONS = ("none", "qk-norm", "qk-clip", "attn-gate", "stop")
 INSERTIONS = ("qk-norm", "attn-gate")  # escalations that add parameters (inserted in process)
@@ -82,8 +83,7 @@ class GuardConfig:
     max_actions: int = 20  # stop after this many rollbacks (a guard that cannot help)
     # At a level shift, a held-out rise below this fraction of the train loss's rise means the
     # data shifted (Marin's cooldown shuffle): recorded as "data", no rollback (in_the_data).
-    # Off (0) by default: at 0.5 it lets real shifts through too (results/README.md, the
-    # guard's section, story8-guard-escalate-data).
+    # Off (0) by default; results/README.md's guard section measures what 0.5 lets through.
     data_fraction: float = 0.0
     # "max-logit": before any event, escalate where the run stands (no rollback) at a
     # checkpoint step whose last step's max attention logit is above --guard.predict-above

@@ -24,27 +24,30 @@ from config import TrainConfig, config_at, make_tx
 from data import TokenData
 from distributed import say
 from loop import ended, run_loop, too_many_nonfinite
-from report import acted, describe, read_events
+from records import acted, read_events
+from report import describe
 
 
 def check_escalation(cfg: TrainConfig) -> None:
     """A UserError, before anything is written, for a guard escalation this run could not carry
     out (checked on the config asked for; once the guard has escalated, the run's effective
     config has what it escalated to)."""
-    escalate, qk_norm, qk_clip = cfg.guard.escalate, cfg.model.qk_norm, cfg.optim.qk_clip > 0
-    if cfg.guard.on and escalate == "attn-gate" and cfg.model.attn_gate != "none":
-        raise UserError("--guard.escalate attn-gate inserts the attention gate, which this run "
-                        "already has: escalate to qk-norm, stop or none")
-    if not cfg.guard.on or escalate not in ("qk-norm", "qk-clip"):
+    escalate, m, o = cfg.guard.escalate, cfg.model, cfg.optim
+    if not cfg.guard.on or escalate in ("stop", "none"):
         return
-    if escalate == "qk-norm" and (qk_norm or qk_clip):
-        raise UserError("--guard.escalate qk-norm inserts QK-Norm, which this run "
-                        + ("already has" if qk_norm else "cannot take beside --optim.qk-clip")
-                        + ": escalate to qk-clip, stop or none")
-    if escalate == "qk-clip" and (qk_norm or qk_clip):
-        raise UserError("--guard.escalate qk-clip switches QK-Clip on, which this run "
-                        + ("already has" if qk_clip else "cannot take beside --model.qk-norm")
-                        + ": escalate to qk-norm, stop or none")
+    what, has, conflicts, instead = {
+        "qk-norm": ("inserts QK-Norm", m.qk_norm, {"--optim.qk-clip": o.qk_clip > 0}, "qk-clip"),
+        "qk-clip": ("switches QK-Clip on", o.qk_clip > 0, {
+            "--model.qk-norm": m.qk_norm,
+            f"--optim.optimizer {o.optimizer} (QK-Clip moves weights off their sphere)":
+                o.hyperball}, "qk-norm"),
+        "attn-gate": ("inserts the attention gate", m.attn_gate != "none", {}, "qk-norm"),
+    }[escalate]
+    beside = [flag for flag, on in conflicts.items() if on]
+    if has or beside:
+        raise UserError(f"--guard.escalate {escalate} {what}, which this run "
+                        + ("already has" if has else f"cannot take beside {beside[0]}")
+                        + f": escalate to {instead}, stop or none")
 
 
 def recorded(cfg: TrainConfig, run_dir, at: int, resuming: bool) -> tuple[list, list]:

@@ -10,7 +10,7 @@ Dimension key (used in einsum strings and in the names of non-obvious tensors):
 Layers are stacked (every per-layer parameter has a leading L axis) and run with `jax.lax.scan`,
 so compile time does not grow with depth (`scan_layers=False` unrolls it, for shallow models).
 Parameters are float32; `dtype` sets the compute dtype.
-Shardings come from the logical axes in PARAMS and the one small table LOGICAL_TO_MESH.
+Shardings come from the logical axes in param_table and the one small table LOGICAL_TO_MESH.
 """
 
 import contextlib
@@ -39,11 +39,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02  # OLMo 2: N(0, 0.02)
     dtype: str = "float32"  # compute dtype; "bfloat16" on accelerators (params stay float32)
-    # True: the layers run as a lax.scan loop, compile time independent of depth. False unrolls
-    # it (the same parameters): faster on a shallow model, compile time grows with depth.
-    scan_layers: bool = True
-    # Which attention computes the same math (attention.py): auto picks by platform and length;
-    # dense is the reference (and what the recorded experiments ran); blockwise is O(T) memory.
+    scan_layers: bool = True  # lax.scan over the layers; False unrolls them (a shallow model)
+    # attention.py's form of the same math: auto picks by platform and length; dense is the
+    # reference; blockwise is O(T) memory
     attention: A.Form = "auto"
     attention_block: int = 256  # blockwise: positions per query / key block
     attn_softcap: float = 0.0  # scores -> c * tanh(s / c) before the softmax (Gemma 2: 50); 0: off
@@ -51,15 +49,14 @@ class ModelConfig:
     # from N(0, init_std) the stream starts at std init_std * sqrt(d_model), 1 only near 2,500.
     embed_scale: bool = False
     # The attention gate (Gated Attention, 2505.06708; Marin kept it) on each head's output,
-    # from the block's normed input: "headwise" or "elementwise". Form "marin": 2 * sigmoid(h @
-    # W_gate), W_gate zero at init (exactly 1: an insertion changes nothing); "qwen": sigmoid.
+    # from the block's normed input: "none", "headwise" or "elementwise"
     attn_gate: str = "none"
+    # "marin": 2 * sigmoid(h @ W_gate), W_gate zero at init (exactly 1: an insertion changes
+    # nothing); "qwen": sigmoid, W_gate drawn as the other weights
     attn_gate_form: str = "marin"
-    # "standard" (every weight N(0, init_std), one LR) or "mup" (muP, the section at the end):
-    # this model against itself at `mup_base_width`, where the two are the same model.
+    # "standard" (every weight N(0, init_std), one LR) or "mup" (muP, the section after the
+    # table): this model against itself at `mup_base_width` (d_ff in proportion)
     param: str = "standard"
-    # NOTE: the base is width_config's (d_ff in proportion: 172 at d_model 64 -> 86 at 32), not
-    # the lab's d_model 32 row (d_ff 84: w_down's multipliers 2.4% apart)
     mup_base_width: int = 32
 
     def __post_init__(self):
@@ -68,18 +65,15 @@ class ModelConfig:
                 if not ok(getattr(self, name)):
                     raise ValueError(f"model.{name} must be {what}, got {getattr(self, name)}")
         check(("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-               "attention_block"), lambda x: x > 0, "positive")
+               "attention_block", "mup_base_width"), lambda x: x > 0, "positive")
         check(("rope_theta", "norm_eps", "init_std", "qk_mult"), lambda x: 0 < x < math.inf,
               "a positive finite number")
         check(("attn_softcap", "z_loss_weight"), lambda x: 0 <= x < math.inf, ">= 0 and finite")
-        check(("attention",), lambda x: x in A.FORMS, f"one of {', '.join(A.FORMS)}")
-        check(("dtype",), lambda x: x in ("float32", "bfloat16", "float16"),
-              "float32, bfloat16 or float16")
-        check(("param",), lambda x: x in ("standard", "mup"), "standard or mup")
-        check(("attn_gate",), lambda x: x in ("none", "headwise", "elementwise"),
-              "none, headwise or elementwise")
-        check(("attn_gate_form",), lambda x: x in ("marin", "qwen"), "marin or qwen")
-        check(("mup_base_width",), lambda x: x > 0, "positive")
+        for name, allowed in (("attention", A.FORMS), ("dtype", ("float32", "bfloat16",
+                              "float16")), ("param", ("standard", "mup")), ("attn_gate", (
+                              "none", "headwise", "elementwise")), ("attn_gate_form", ("marin",
+                              "qwen"))):
+            check((name,), allowed.__contains__, f"{', '.join(allowed[:-1])} or {allowed[-1]}")
         for wrong, why in (  # settings that must agree with one another
                 (self.d_model % self.n_heads, f"model.d_model={self.d_model} is not divisible by "
                  f"model.n_heads={self.n_heads}: pick n_heads that divides d_model"),
@@ -101,8 +95,7 @@ class ModelConfig:
 
     @property
     def output_mult(self) -> float:
-        """What the logits' input is multiplied by: muP's readout, 1 / (d_model's width
-        multiplier) (MuReadout's output_mult / width_mult, output_mult 1); 1 if standard."""
+        """The logits' input times this: muP's readout (MuReadout), 1 if standard."""
         return self.mup_base_width / self.d_model if self.param == "mup" else 1.0
 
     @property
@@ -194,15 +187,15 @@ def logical_to_spec(axes: tuple[str, ...], gathered: bool = False) -> P:
 
 
 def shard(*axes: str) -> P | None:
-    """The PartitionSpec of an activation with these logical axes; None outside any mesh (one
-    device, as sample.py decodes), where there is nothing to say."""
+    """The PartitionSpec of an activation with these logical axes; None outside any mesh."""
     return None if jax.sharding.get_abstract_mesh().empty else logical_to_spec(axes)
 
 
-def _nest(flat: dict) -> dict:
+def nest(flat: dict, sep: str = "/") -> dict:
+    """{"layers/wq": x} -> {"layers": {"wq": x}}"""
     out: dict = {}
     for path, value in flat.items():
-        *parents, leaf = path.split("/")
+        *parents, leaf = path.split(sep)
         node = out
         for p in parents:
             node = node.setdefault(p, {})
@@ -210,30 +203,22 @@ def _nest(flat: dict) -> dict:
     return out
 
 
-def decay_mask(cfg: ModelConfig) -> dict:
-    return _nest({k: s.decay for k, s in param_table(cfg).items()})
-
-
-def matrix_dims(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
-    """{weight name: (its input dims, its output dims)} for every matrix of the table, as Muon
-    orthogonalises it (the stacked layer axis is neither: a batch axis)."""
-    return {k.split("/")[-1]: (s.fan_in, tuple(d for d, a in enumerate(s.axes)
-                                               if d not in s.fan_in and a != "layers"))
-            for k, s in param_table(cfg).items() if s.fan_in}
-
-
 def optimizer_layout(cfg: ModelConfig) -> dict:
-    """What optim.make_optimizer reads of the model, all from the table."""
-    return {"decay_mask": decay_mask(cfg), "matrix_dims": matrix_dims(cfg),
-            "head_axes": head_axes(cfg), "lr_mults": lr_multipliers(cfg),
-            "sphere_mask": _nest({k: s.decay and s.init is not _ZERO
-                                  for k, s in param_table(cfg).items()})}
+    """What optim.make_optimizer reads of the model, all from the table: the leaves weight
+    decay applies to (the matrices); each matrix's input and output dims as Muon orthogonalises
+    it (the layer axis is neither: a batch axis); the matrices Hyperball keeps on their sphere
+    (not a zero-init one: its radius is 0); QK-Clip's head dims; muP's Adam LR multipliers."""
+    table = param_table(cfg)
 
-
-def head_axes(cfg: ModelConfig) -> dict[str, int]:
-    """The head dim of the query and key weights (QK-Clip rescales per head)."""
-    return {w: param_table(cfg)[f"layers/{w}"].axes.index(a) for w, a in (("wq", "heads"),
-                                                                         ("wk", "kv_heads"))}
+    def outputs(s: ParamSpec) -> tuple[int, ...]:
+        return tuple(d for d, a in enumerate(s.axes) if d not in s.fan_in and a != "layers")
+    return {"decay_mask": nest({k: s.decay for k, s in table.items()}),
+            "matrix_dims": {k.split("/")[-1]: (s.fan_in, outputs(s))
+                            for k, s in table.items() if s.fan_in},
+            "head_axes": {w: table[f"layers/{w}"].axes.index(a)
+                          for w, a in (("wq", "heads"), ("wk", "kv_heads"))},
+            "lr_mults": lr_multipliers(cfg),
+            "sphere_mask": nest({k: s.decay and s.init is not _ZERO for k, s in table.items()})}
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
@@ -241,14 +226,10 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
     parameter (qk_norm) leaves every other parameter's initial value unchanged."""
     flat, scales = {}, mup_scales(cfg)
     for name, spec in param_table(cfg).items():
-        leaf_key = jax.random.fold_in(key, _name_hash(name))
-        x = spec.init(leaf_key, spec.shape)
+        name_hash = int.from_bytes(name.encode()[-8:].rjust(8, b"\0"), "little") % (2**31 - 1)
+        x = spec.init(jax.random.fold_in(key, name_hash), spec.shape)
         flat[name] = x if scales[name][0] == 1.0 else x * scales[name][0]  # muP: std x m^-1/2
-    return _nest(flat)
-
-
-def _name_hash(name: str) -> int:
-    return int.from_bytes(name.encode()[-8:].rjust(8, b"\0"), "little") % (2**31 - 1)
+    return nest(flat)
 
 
 def count_params(cfg: ModelConfig) -> int:
@@ -337,9 +318,8 @@ def qkv(h_BTD, p, cfg: ModelConfig, offset=0):
 
 
 def attention(x_BTD, p, cfg: ModelConfig, head_stats: bool = False):
-    """Causal grouped-query attention in the form cfg.attention selects (attention.py).
-    Returns the output and its statistics: the max |attention logit| over the causal entries,
-    and with `head_stats` that max per query head ([N], for QK-Clip)."""
+    """Causal grouped-query attention in cfg.attention's form (attention.py), and its max
+    |attention logit| over the causal entries (with `head_stats` per query head, QK-Clip's)."""
     q_BTNH, k_BTKH, v_BTKH = qkv(x_BTD, p, cfg)
     form = A.resolve(cfg.attention, cfg.dtype, softcap=cfg.attn_softcap)
     spec = shard("batch", "seq", "heads", "head_dim")
@@ -410,11 +390,9 @@ def forward(params: dict, tokens_BT, cfg: ModelConfig, head_stats: bool = False)
 
 
 def loss_fn(params: dict, tokens_BT1, cfg: ModelConfig, head_stats: bool = False):
-    """Next-token cross-entropy plus z-loss, weight * logsumexp(logits)**2, which keeps the
-    output logits from drifting (PaLM; Marin 1e-4, OLMo 2 1e-5), over a [B, T+1] batch.
-    Returns (loss, aux): ce, z_loss, attn_logit_max [L] (and per head [L, N] with
-    `head_stats`), out_logit_max and log_z, the mean log-normaliser (Wortsman et al. §3.2:
-    without z-loss log Z drifts far from 0)."""
+    """Next-token cross-entropy plus z-loss, weight * logsumexp(logits)**2 (PaLM; Marin 1e-4,
+    OLMo 2 1e-5), over a [B, T+1] batch. Returns (loss, aux): ce, z_loss, attn_logit_max [L]
+    (per head [L, N] with `head_stats`), out_logit_max and log_z, the mean log-normaliser."""
     inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
     logits_BTV, stats = forward(params, inputs_BT, cfg, head_stats)
     lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
@@ -442,13 +420,11 @@ def width_config(cfg: ModelConfig, d_model: int) -> ModelConfig:
 
 
 def mup_scales(cfg: ModelConfig) -> dict[str, tuple[float, float]]:
-    """muP for Adam as microsoft/mup derives it, from the parameter table: {name: (init
-    multiplier, LR multiplier)}, all 1 for the standard parametrisation. A dimension is
-    "infinite" where the base model and one twice as wide differ. A weight infinite in both
-    fan-in and fan-out is matrix-like (MuAdam's `ninf() == 2`): with m its fan-in over the
-    base's, init std times m^-1/2 and Adam LR times 1/m. The rest is vector-like, as standard
-    (the readout's input times output_mult instead, MuReadout). muP's attention scale 1/H,
-    with mup's factor sqrt(H_base), is 1/sqrt(H) here: the head dimension is kept."""
+    """muP for Adam as microsoft/mup derives it: {name: (init multiplier, LR multiplier)}. A
+    dimension is "infinite" where the base and a model twice as wide differ; a weight infinite
+    in fan-in and fan-out (MuAdam's `ninf() == 2`), with m its fan-in over the base's, takes
+    init std x m^-1/2 and Adam LR x 1/m; the rest as standard (the readout: output_mult).
+    Attention keeps 1/sqrt(H): the head dimension is kept, so muP's 1/H changes nothing."""
     table = param_table(cfg)
     if cfg.param != "mup":
         return {name: (1.0, 1.0) for name in table}
@@ -471,6 +447,5 @@ def mup_scales(cfg: ModelConfig) -> dict[str, tuple[float, float]]:
 def lr_multipliers(cfg: ModelConfig) -> dict | None:
     """The Adam LR multiplier of every parameter (a params-shaped pytree), None if all are 1."""
     scales = mup_scales(cfg)
-    if all(lr == 1.0 for _, lr in scales.values()):
-        return None
-    return _nest({name: lr for name, (_, lr) in scales.items()})
+    return None if all(lr == 1.0 for _, lr in scales.values()) else \
+        nest({name: lr for name, (_, lr) in scales.items()})

@@ -40,6 +40,7 @@ import hyperball as HB
 import loop as L
 import model as M
 import optim as O
+import records as RC
 import report as R
 import sample as S
 import tracking as TR
@@ -318,7 +319,7 @@ def test_the_marin_gate_inserted_mid_run_changes_nothing_at_insertion(straight_r
     assert float(after["loss"]) == float(before["loss"])  # bitwise
     e = {"action": "escalate", "escalation": "attn-gate", "event_step": 5, "rollback_to": 3,
          "replaced_until": 5, "extra_steps": 2, "rule": "shift", "trigger_step": 5}
-    assert R.event_problem(e) is None
+    assert RC.event_problem(e) is None
     assert G.effective_config(src, [e]).model.attn_gate == "headwise"
     assert G.effective_config(src, [e], restored_at=3).model.attn_gate == "none"
     assert G.pending_insertion([e], 3)
@@ -950,8 +951,9 @@ def test_muon_splits_the_parameters_as_levanters_muon_does():
     params = M.init_params(cfg.model, jax.random.key(0))
     grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
     o = cfg.optim
-    tx = HB.muon_with_adam(M.decay_mask(cfg.model), M.matrix_dims(cfg.model), o.muon_momentum,
-                           o.b1, o.b2, o.eps)
+    layout = M.optimizer_layout(cfg.model)
+    tx = HB.muon_with_adam(layout["decay_mask"], layout["matrix_dims"], o.muon_momentum, o.b1,
+                           o.b2, o.eps)
     with jax.set_mesh(mesh_of(1, 1)):
         updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
     adam = state.inner_states["adam"].inner_state
@@ -969,12 +971,13 @@ def test_the_optimizer_reads_the_weight_layout_from_the_parameter_table():
     """Muon's input / output dims and QK-Clip's head dims come from model.param_table (its axes
     and fan_in), not from a second table of names: the same dims the optimizer used to name."""
     cfg = tiny().model
-    assert M.matrix_dims(cfg) == {
+    assert M.optimizer_layout(cfg)["matrix_dims"] == {
         "wq": ((1,), (2, 3)), "wk": ((1,), (2, 3)), "wv": ((1,), (2, 3)), "wo": ((1, 2), (3,)),
         "w_gate": ((1,), (2,)), "w_up": ((1,), (2,)), "w_down": ((1,), (2,)),
         "head": ((0,), (1,))}
-    assert M.head_axes(cfg) == {"wq": 2, "wk": 2}
-    for name, (inputs, outputs) in M.matrix_dims(cfg).items():  # every non-layer dim, once
+    assert M.optimizer_layout(cfg)["head_axes"] == {"wq": 2, "wk": 2}
+    dims = M.optimizer_layout(cfg)["matrix_dims"]
+    for name, (inputs, outputs) in dims.items():  # every non-layer dim, once
         spec = M.param_table(cfg)[name if name == "head" else f"layers/{name}"]
         assert sorted(inputs + outputs) == [d for d, a in enumerate(spec.axes) if a != "layers"]
 
@@ -1144,12 +1147,12 @@ def test_a_train_py_run_under_adamh_keeps_every_matrix_on_its_initial_sphere(tmp
     last = T.train(cfg, devices=jax.devices()[:1]).last
     init, final = (flat_params(p) for p in (M.init_params(cfg.model, jax.random.key(cfg.seed)),
                                             restore_final(cfg, 6)["params"]))
-    matrix = flat_params(M.decay_mask(cfg.model))
+    matrix = flat_params(M.optimizer_layout(cfg.model)["decay_mask"])
     for k, w in final.items():
         if matrix[k]:
             np.testing.assert_allclose(numpy_norm(w), numpy_norm(init[k]), rtol=2e-6, err_msg=k)
             assert not np.allclose(w, init[k]), k
-    loss = R.read_metrics(tmp_path / "run")["loss"]
+    loss = RC.read_metrics(tmp_path / "run")["loss"]
     assert last["eval_loss"] < loss[0] - 0.3 and loss[-1] < loss[0] - 0.3
 
 
@@ -1162,7 +1165,7 @@ def test_gated_hyperball_runs_and_a_gate_inserted_into_adamh_train_finite(tmp_pa
     gated = tiny(tmp_path / "gated", steps=4, checkpoint_every=4, optim__optimizer="muonh",
                  model__attn_gate="headwise")
     T.train(gated, devices=jax.devices()[:1])
-    loss = R.read_metrics(pathlib.Path(gated.run_dir))["loss"]
+    loss = RC.read_metrics(pathlib.Path(gated.run_dir))["loss"]
     gate = flat_params(restore_final(gated, 4)["params"])["layers/w_attn_gate"]
     assert np.isfinite(loss).all() and np.isfinite(gate).all() and np.abs(gate).max() > 0
     src = tiny(tmp_path / "src", steps=4, checkpoint_every=4, optim__optimizer="adamh")
@@ -1171,7 +1174,7 @@ def test_gated_hyperball_runs_and_a_gate_inserted_into_adamh_train_finite(tmp_pa
                            rewarmup_steps=2)
     cfg = W.convert(args, ["--steps", "8"], devices=jax.devices()[:1])
     T.train(cfg, devices=jax.devices()[:1])
-    metrics = R.read_metrics(tmp_path / "w")
+    metrics = RC.read_metrics(tmp_path / "w")
     assert np.isfinite(metrics["loss"]).all() and not metrics["skipped"].any()
     before, after = (flat_params(restore_final(c, s)["params"]) for c, s in ((src, 4), (cfg, 8)))
     for k, on in flat_params(M.optimizer_layout(cfg.model)["sphere_mask"]).items():
@@ -1653,7 +1656,7 @@ def planted_two(tmp_path_factory):
 
 
 def planted_final_params(run: pathlib.Path) -> dict:
-    cfg = dataclasses.replace(G.effective_config(tiny(steps=80), R.read_events(run)),
+    cfg = dataclasses.replace(G.effective_config(tiny(steps=80), RC.read_events(run)),
                               run_dir=str(run))
     return leaves_by_key(restore_final(cfg, 80)["params"])
 
@@ -1666,7 +1669,7 @@ def test_the_guard_on_two_processes_takes_the_decisions_of_one(planted_two):
     finds), written by process 0 alone, and QK-Norm in the final checkpoint."""
     two, outs, codes = planted_two
     assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    events = R.read_events(two)
+    events = RC.read_events(two)
     assert [{k: v for k, v in e.items() if k not in ("loss", "max_logit")} for e in events] == \
         PLANTED_SHIFT_EVENTS
     for line in outs[1].splitlines():  # process 1 took each decision too (process 0 says it)
@@ -1693,7 +1696,7 @@ def test_one_of_two_guarded_processes_killed_ends_the_other_and_resumes_bitwise(
     assert "Traceback" not in outs[0] and "Check failure" not in outs[0]
     outs, codes, _ = planted_on_two_processes(tmp_path, run)  # the same command again
     assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    assert R.read_events(run) == R.read_events(planted_two[0])
+    assert RC.read_events(run) == RC.read_events(planted_two[0])
     want, got = planted_final_params(planted_two[0]), planted_final_params(run)
     assert want.keys() == got.keys()
     for k in want:
@@ -1934,6 +1937,7 @@ def test_a_save_never_asks_the_preemption_sync_point(tmp_path, monkeypatch):
 
 KILLER = '''
 import os, signal, sys
+import loop
 import train
 point, n = sys.argv[1], int(sys.argv[2])
 
@@ -1942,7 +1946,7 @@ def kill():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-save, make, managers = train.save_checkpoint, train.make_train_step, []
+save, make, managers = loop.save_checkpoint, train.make_train_step, []
 
 
 def save_checkpoint(mngr, step, state, cfg):
@@ -1967,7 +1971,7 @@ def make_train_step(cfg, tx):  # mid-step: after step n is dispatched, while it 
     return killing_step
 
 
-train.save_checkpoint, train.make_train_step = save_checkpoint, make_train_step
+loop.save_checkpoint, train.make_train_step = save_checkpoint, make_train_step
 sys.exit(train.main(sys.argv[3:]))
 '''
 
@@ -2918,7 +2922,7 @@ def plant_guard_events(monkeypatch, poison=(), shift_from=None):
 
 def final_state(cfg):
     run = pathlib.Path(cfg.run_dir)
-    return restore_final(G.effective_config(cfg, R.read_events(run)), C.saved_steps(run)[-1])
+    return restore_final(G.effective_config(cfg, RC.read_events(run)), C.saved_steps(run)[-1])
 
 
 @pytest.mark.slow
@@ -2927,9 +2931,9 @@ def test_the_guard_rolls_back_a_poisoned_batch_and_never_applies_it(tmp_path, mo
     cfg = tiny(tmp_path, steps=12, checkpoint_every=2, keep_checkpoints=10, guard__on=True,
                guard__margin=1)
     T.train(cfg, devices=jax.devices()[:1])
-    (e,) = R.read_events(tmp_path / "run")
+    (e,) = RC.read_events(tmp_path / "run")
     assert (e["rule"], e["rollback_to"], e["replaced_until"]) == ("non-finite", 6, 8)
-    m = R.read_metrics(tmp_path / "run")
+    m = RC.read_metrics(tmp_path / "run")
     assert np.all(np.isfinite(m["loss"])) and not np.any(m["skipped"])  # on the new path
     assert "1 guard action (2 steps computed again)\nguard: non-finite at step 7 (seen at 7): " \
         "rolled back to step 6, batches 6-7 replaced" in R.event_report(m)  # the report says it
@@ -2966,7 +2970,7 @@ def test_a_rollback_below_the_step_a_resumed_process_started_at_is_no_traceback(
     T.train(cfg, devices=jax.devices()[:1])
     assert handlers() == before
     out = capsys.readouterr().out
-    (e,) = R.read_events(tmp_path / "run")
+    (e,) = RC.read_events(tmp_path / "run")
     assert (e["rollback_to"], e["replaced_until"]) == (6, 8)
     lines = [line for line in out.splitlines() if "ETA" in line]
     etas = [line.split("ETA ")[1] for line in lines]
@@ -3018,17 +3022,17 @@ def test_the_guard_escalates_a_relapsing_shift_to_qk_norm_and_a_kill_changes_not
         assert killed == (kill_at is not None)
         # killed before its record, the rollback is decided again; after it, re-applied
         assert len(calls) == 2 + (kill_at is not None and kill_at[1] == "before")
-    events = R.read_events(tmp_path / "straight" / "run")
+    events = RC.read_events(tmp_path / "straight" / "run")
     assert [{k: v for k, v in e.items() if k not in ("loss", "max_logit")} for e in events] == \
         PLANTED_SHIFT_EVENTS
     assert all(0 < e["max_logit"] < 1e3 for e in events)  # the signal when it acted
-    m = R.read_metrics(tmp_path / "straight" / "run")
+    m = RC.read_metrics(tmp_path / "straight" / "run")
     after = m["loss"][m["step"] > events[1]["replaced_until"]]
     assert after.max() < m["loss"][20:60].max() + 0.5  # no relapse: the planted nats are gone
     straight = final_state(runs["straight"])
     assert "q_norm" in straight["params"]["layers"]
     for name in ("kill-rollback", "kill-escalation"):
-        assert R.read_events(tmp_path / name / "run") == events
+        assert RC.read_events(tmp_path / name / "run") == events
         assert_trees_equal(final_state(runs[name]), straight)
     # every tool reads the escalated model (config.json does not have it; events.jsonl does)
     run = tmp_path / "straight" / "run"
@@ -3043,7 +3047,7 @@ def test_the_guard_escalates_a_relapsing_shift_to_qk_norm_and_a_kill_changes_not
     T.train(cfg, devices=jax.devices()[:1])
     (aside,) = run.glob("events.superseded-*.jsonl")
     assert [json.loads(x) for x in aside.read_text().splitlines()] == events
-    assert R.read_events(run) == events  # the same path again: the same two decisions
+    assert RC.read_events(run) == events  # the same path again: the same two decisions
     T.train(runs["straight"], devices=jax.devices()[:1])  # the same command: done, no error
     # the record emptied by hand: one line that says so, not "unreadable"
     (run / "events.jsonl").write_text("")
@@ -3089,13 +3093,13 @@ def test_a_level_shift_in_the_data_is_recorded_as_data_and_the_run_goes_on(tmp_p
             killed = True
             T.train(cfg, devices=jax.devices()[:1])
         assert killed == (name == "killed")
-    (e,) = R.read_events(tmp_path / "straight" / "run")
+    (e,) = RC.read_events(tmp_path / "straight" / "run")
     assert e["action"] == "data" and 150 <= e["event_step"] < 200 and e["rise"] > 0.5
     assert e["held_out_now"] - e["held_out_before"] < 0.5 * e["rise"]
-    assert R.read_events(tmp_path / "killed" / "run") == [e]
+    assert RC.read_events(tmp_path / "killed" / "run") == [e]
     assert_trees_equal(final_state(tiny(tmp_path / "killed", steps=300)),
                        final_state(tiny(tmp_path / "straight", steps=300)))
-    m = R.read_metrics(tmp_path / "straight" / "run")
+    m = RC.read_metrics(tmp_path / "straight" / "run")
     assert list(m["step"]) == list(range(300))  # nothing computed again
     trig = G.Trigger("shift", 400, 450, 3.0, rise=0.4)
     half = G.GuardConfig(data_fraction=0.5)
@@ -3136,19 +3140,19 @@ def test_a_predicted_break_escalates_where_the_run_stands_and_a_kill_changes_not
                           eval_every=100, guard__on=True, guard__escalate="qk-norm",
                           guard__spikes=False, guard__shifts=False, guard__predict="max-logit")
         T.train(runs[name], devices=jax.devices()[:1])
-    (e,) = R.read_events(tmp_path / "straight" / "run")
+    (e,) = RC.read_events(tmp_path / "straight" / "run")
     assert e.pop("max_logit") > 1000
     assert {k: v for k, v in e.items() if k != "loss"} == {
         "rule": "predict", "event_step": 60, "trigger_step": 59, "action": "escalate",
         "rollback_to": 60, "replaced_until": 60, "extra_steps": 0, "escalation": "qk-norm",
         "rewarm_steps": 100}
-    m = R.read_metrics(tmp_path / "straight" / "run")
+    m = RC.read_metrics(tmp_path / "straight" / "run")
     assert list(m["step"]) == list(range(100))  # nothing computed again
     assert m["attn_logit_max"][60:].max() < 1000 < m["attn_logit_max"][50:60].min()
     straight = final_state(runs["straight"])
     assert "q_norm" in straight["params"]["layers"]
     for name in ("kill-before-record", "kill-after-record"):
-        assert R.read_events(tmp_path / name / "run")[0]["event_step"] == 60
+        assert RC.read_events(tmp_path / name / "run")[0]["event_step"] == 60
         assert_trees_equal(final_state(runs[name]), straight)
     with pytest.raises(ValueError, match="--guard.predict acts by escalating"):
         G.GuardConfig(on=True, predict="max-logit")
@@ -3204,6 +3208,10 @@ def test_a_damaged_guard_record_is_one_line_and_changes_nothing(tmp_path, capsys
     (["--model.qk-norm", "--guard", "--guard.escalate", "qk-clip"], "cannot take beside"),
     (["--optim.qk-clip", "50", "--guard", "--guard.escalate", "qk-norm"], "cannot take beside"),
     (["--model.qk-norm", "--guard", "--guard.escalate", "qk-norm"], "already has"),
+    (["--optim.optimizer", "adamh", "--guard", "--guard.escalate", "qk-clip"],
+     "cannot take beside --optim.optimizer adamh"),
+    (["--model.attn-gate", "headwise", "--guard", "--guard.escalate", "attn-gate"],
+     "already has"),
 ])
 def test_an_escalation_the_run_could_not_carry_out_is_refused_before_it_starts(
         tmp_path, capsys, flags, says):
@@ -3235,7 +3243,7 @@ def test_a_decayed_run_trains_on_by_the_warm_start_its_end_line_suggests(straigh
                                                                                         src.steps))
     assert old.keys() == new.keys() and all(np.array_equal(old[k], new[k]) for k in old)
     T.train(cfg, devices=jax.devices()[:1])
-    m = R.read_metrics(cfg.run_dir)
+    m = RC.read_metrics(cfg.run_dir)
     assert m["step"][-1] == cfg.steps - 1
     lr = dict(zip(m["step"].tolist(), m["lr"].tolist()))
     peak, k = src.optim.lr, cfg.optim.rewarmup_steps
@@ -3337,7 +3345,7 @@ def test_a_switch_to_adamh_mid_run_takes_each_matrix_norm_at_the_switch(straight
     (hyper,) = [s for s in jax.tree.leaves(new["opt_state"], is_leaf=lambda x: isinstance(
         x, HB.HyperballState)) if isinstance(s, HB.HyperballState)]
     radius, params = flat_params(hyper.radius), flat_params(old["params"])
-    for k, on in flat_params(M.decay_mask(cfg.model)).items():
+    for k, on in flat_params(M.optimizer_layout(cfg.model)["decay_mask"]).items():
         np.testing.assert_allclose(radius[k], numpy_norm(params[k]) if on else 0.0, rtol=1e-6,
                                    err_msg=k)
     old_leaves, new_leaves = leaves_by_key(old), leaves_by_key(new)
@@ -3532,7 +3540,7 @@ def high_lr_runs(tmp_path_factory):
         cfg = tiny(tmp_path_factory.mktemp(f"qk{qk}"), model__qk_norm=qk, optim__lr=3e-2,
                    steps=100, eval_every=100, checkpoint_every=50, log_every=50)
         T.train(cfg, devices=jax.devices()[:1])
-        runs[qk] = (cfg, R.read_metrics(cfg.run_dir))
+        runs[qk] = (cfg, RC.read_metrics(cfg.run_dir))
     return runs
 
 
@@ -3550,7 +3558,7 @@ def test_inserting_qk_norm_drops_the_logits_10x_at_once(high_lr_runs, tmp_path):
                            rewarmup_steps=10)
     cfg = W.convert(args, ["--steps", "105"], devices=jax.devices()[:1])
     T.train(cfg, devices=jax.devices()[:1])
-    after = R.read_metrics(tmp_path / "rescued")
+    after = RC.read_metrics(tmp_path / "rescued")
     before = m["attn_logit_max"][-1].max()
     assert after["step"][0] == 100 and len(after["step"]) == 5
     assert after["attn_logit_max"].max() * 10 <= before, (before, after["attn_logit_max"])
@@ -3802,7 +3810,7 @@ def planted_metrics(path: pathlib.Path) -> pathlib.Path:
 
 
 def test_the_spike_report_finds_planted_spikes(tmp_path):
-    spikes = R.find_spikes(R.read_metrics(planted_metrics(tmp_path / "run")))
+    spikes = R.find_spikes(RC.read_metrics(planted_metrics(tmp_path / "run")))
     assert [s.step for s in spikes] == [120, 200]
     first, second = spikes
     assert first.peak_step == 120 and first.length == 3
@@ -3819,7 +3827,7 @@ def test_a_nan_in_the_first_steps_is_no_spike_and_moves_no_level(tmp_path, capsy
     for i in range(3):  # steps 0-2 diverged (written null, as train.py writes a NaN)
         lines[i] = lines[i].replace(json.dumps(json.loads(lines[i])["loss"]), "null", 1)
     (run / "metrics.jsonl").write_text("\n".join(lines))
-    m = R.read_metrics(run)
+    m = RC.read_metrics(run)
     assert np.isnan(m["loss"][:3]).all() and "metrics.jsonl:301 is cut off" in \
         capsys.readouterr().err
     spikes = R.find_spikes(m)
@@ -3913,11 +3921,11 @@ def test_a_warm_started_runs_figure_splices_its_source_before_the_insertion(tmp_
     write(tmp_path / "src", range(10), 100.0, {3, 7}, {})
     write(tmp_path / "warm", range(5, 10), 200.0, {7}, {"warm_started_from":
                                                         f"{tmp_path / 'src'}@5"})
-    m = R.with_source(tmp_path / "warm", R.read_metrics(tmp_path / "warm"))
+    m = R.with_source(tmp_path / "warm", RC.read_metrics(tmp_path / "warm"))
     assert m["inserted_at"] == 5 and list(m["step"]) == list(range(10))
     assert list(m["loss"]) == [100.0 + s for s in range(5)] + [200.0 + s for s in range(5, 10)]
     assert list(m["eval_step"]) == [3, 7] and list(m["eval_loss"]) == [97.0, 193.0]
-    plain = R.read_metrics(tmp_path / "src")  # no warm start: the run as it is
+    plain = RC.read_metrics(tmp_path / "src")  # no warm start: the run as it is
     assert R.with_source(tmp_path / "src", plain) is plain
 
 
@@ -3934,7 +3942,7 @@ def test_a_restore_is_not_a_rise(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(
         {"step": s, "loss": x, "grad_norm": 1.0, "lr": 1e-3, "attn_logit_max": [1.0]}) + "\n"
         for attempt in attempts for s, x in attempt))
-    m = R.read_metrics(run)
+    m = RC.read_metrics(run)
     assert list(m["step"]) == list(range(80)) and not R.find_shifts(m, R.ShiftRule(window=40))
     mixed = {"step": np.arange(100), "loss": np.array(
         [good(s) for s in range(80)] + [good(s) + 1.0 for s in range(80, 100)])}
@@ -3964,7 +3972,7 @@ def planted_slow_rise(path: pathlib.Path, back_at: int | None) -> pathlib.Path:
 
 def test_a_slow_rise_is_a_level_shift_that_the_one_step_rule_misses(tmp_path):
     for back_at, recovered in ((450, True), (None, False)):
-        m = R.read_metrics(planted_slow_rise(tmp_path / f"run{back_at}", back_at))
+        m = RC.read_metrics(planted_slow_rise(tmp_path / f"run{back_at}", back_at))
         assert R.find_spikes(m) == []  # per-step noise hides a rise spread over 20 steps
         shifts = R.find_shifts(m)
         assert len(shifts) == 1, shifts

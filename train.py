@@ -213,12 +213,13 @@ def train(cfg: TrainConfig, devices=None) -> Outcome:
             if cfg.guard.on:  # the guard consumes the loop (guarded.py)
                 why, last = guarded.drive(run, cfg, tx, state, start.user_cfg, start.events)
             else:
-                why, last = ended(run), {}
+                why, last = "", {}
                 for info in run_loop(run, cfg, tx, state):
                     last = info.record
                     if too_many_nonfinite(run, cfg):
                         why = "non-finite"
                         break
+                why = why or ended(run)
             return finish(run, why, last, first)
 
 

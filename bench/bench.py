@@ -224,8 +224,8 @@ def variant_timer(spec: dict, tmp: pathlib.Path):
     mesh = make_mesh(cfg.mesh)
     with jax.set_mesh(mesh):
         tokens = jax.device_put(bench_tokens(cfg), jax.NamedSharding(mesh, jax.P("data")))
-        tx = plain_adamw(cfg.optim, cfg.steps, M.decay_mask(cfg.model)) if spec["plain_adamw"] \
-            else make_tx(cfg)
+        decayed = M.optimizer_layout(cfg.model)["decay_mask"]
+        tx = plain_adamw(cfg.optim, cfg.steps, decayed) if spec["plain_adamw"] else make_tx(cfg)
         t = time.perf_counter()
         state = C.fresh_state(cfg.model, cfg.seed, tx, C.abstract_state(cfg.model, tx, mesh))
         step = T.make_train_step(cfg, tx)

@@ -79,8 +79,9 @@ def loss_fn(p: dict, tokens_BT1: torch.Tensor, cfg: M.ModelConfig) -> torch.Tens
 def optimizer(p: dict, cfg, total_steps: int):
     """torch's AdamW over p, weight decay on model.decay_mask's leaves, and the LR of each step
     (optim.lr_schedule, computed once)."""
+    decayed = M.optimizer_layout(cfg.model)["decay_mask"]
     mask = {"/".join(str(getattr(k, "key", k)) for k in path): bool(d)
-            for path, d in jax.tree_util.tree_leaves_with_path(M.decay_mask(cfg.model))}
+            for path, d in jax.tree_util.tree_leaves_with_path(decayed)}
     groups = [{"params": [v for k, v in p.items() if mask[k] == d],
                "weight_decay": cfg.optim.weight_decay if d else 0.0} for d in (True, False)]
     opt = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.b1, cfg.optim.b2),

@@ -103,12 +103,8 @@ from lab.tables import (
     update_readme,
     write_results_json,
 )
-from report import (
-    find_shifts,
-    find_spikes,
-    read_metrics,
-    summary,
-)
+from records import read_metrics
+from report import find_shifts, find_spikes, summary
 
 RUNS = pathlib.Path("runs/exp")
 

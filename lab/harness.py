@@ -42,12 +42,8 @@ from lab.store import (
     record_checksums,
     save_group,
 )
-from report import (
-    acted,
-    find_shifts,
-    find_spikes,
-    read_metrics,
-)
+from records import acted, read_metrics
+from report import find_shifts, find_spikes
 
 
 def member_grid(g: Group) -> list[tuple[float, int]]:

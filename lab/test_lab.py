@@ -19,6 +19,7 @@ import pytest
 
 import checkpoint as C
 import config as CF
+import records as RC
 import report as R
 import train as T
 from lab import breaks as BR
@@ -296,7 +297,7 @@ def test_a_search_member_is_the_train_py_run_of_its_lr_and_seed(tmp_path):
     cfg = dataclasses.replace(base, run_dir=str(tmp_path / "m3"), seed=seed, eval_every=60,
                               data=dataclasses.replace(base.data, seed=seed))
     T.train(cfg, devices=jax.devices()[:1])
-    m = R.read_metrics(cfg.run_dir)
+    m = RC.read_metrics(cfg.run_dir)
     np.testing.assert_allclose(arrays["loss"][3], m["loss"], rtol=1e-5)
     np.testing.assert_allclose(arrays["grad_norm"][3], m["grad_norm"], rtol=2e-3)
     np.testing.assert_allclose(arrays["eval_loss"][3], m["eval_loss"], rtol=1e-5)
@@ -508,7 +509,7 @@ def test_a_guarded_group_is_its_train_py_runs_and_a_second_run_reads_them(tmp_pa
     a = H.train_guarded(g, log=lambda s: None)
     assert a["loss"].shape == (2, 12) and a["attn_logit_max"].shape == (2, 12, 2)
     for i, seed in enumerate(g.seeds):
-        m = R.read_metrics(tmp_path / "guarded" / f"seed{seed}")
+        m = RC.read_metrics(tmp_path / "guarded" / f"seed{seed}")
         np.testing.assert_array_equal(a["loss"][i], m["loss"])
         assert C.read_config(tmp_path / "guarded" / f"seed{seed}")["seed"] == seed
     assert list(a["eval_step"]) == [12] and a["recomputed"].tolist() == [0, 0]
