@@ -34,6 +34,7 @@ from jax.experimental import multihost_utils
 
 import compat
 from cli import UserError, written_whole
+from hyperball import HyperballState, matrix_norm
 from model import ModelConfig, init_params, logical_to_spec, param_table
 
 # ---------------------------------------------------------------------------------------------
@@ -109,7 +110,8 @@ def init_new_leaves(cfg, tx, target, carried_params=None):
     """`keys -> {key: fresh value}` for some leaves of a new train state, computed alone (XLA
     drops the rest of the init) and placed in the shardings `target` carries. New optimizer
     leaves are initialised on `carried_params` where given (the parameters the state goes on
-    with): Adam's moments are zeros either way, a Hyperball radius is the norm at the switch."""
+    with): Adam's moments are zeros either way, a Hyperball radius is the norm at the switch
+    (with --optim.hyperball-radius init, at init: onto_radius then moves the matrix there)."""
     def init_new(keys):
         if not keys:
             return {}
@@ -118,7 +120,7 @@ def init_new_leaves(cfg, tx, target, carried_params=None):
 
         def init(carried):
             state = init_state(cfg.model, cfg.seed, tx)
-            if carried is not None:
+            if carried is not None and cfg.optim.hyperball_radius == "switch":
                 kept = {jax.tree_util.keystr(p): x
                         for p, x in jax.tree_util.tree_leaves_with_path(carried)}
                 params = jax.tree_util.tree_map_with_path(
@@ -135,7 +137,24 @@ def insert_new_leaves(cfg, tx, state: dict, mesh) -> dict:
     (QK-Norm's scales, the attention gate), and its optimizer `tx`: the new leaves at their
     init (the scales at 1, Marin's gate at 0) with zero moments, every other leaf kept."""
     target = abstract_state(cfg.model, tx, mesh)
-    return carry(state, target, init_new_leaves(cfg, tx, target, state["params"]))[0]
+    state, _, new, _ = carry(state, target, init_new_leaves(cfg, tx, target, state["params"]))
+    return onto_radius(cfg, state, new)
+
+
+def onto_radius(cfg, state: dict, new: list) -> dict:
+    """After a switch to Hyperball (its radii among the `new` leaves) with
+    --optim.hyperball-radius init: each matrix on a sphere rescaled onto its radius, its norm at
+    init (per stacked layer); otherwise the state as it is."""
+    if cfg.optim.hyperball_radius != "init" or not any(".radius" in k for k, _ in new):
+        return state
+    (hyper,) = [s for s in jax.tree.leaves(state["opt_state"], is_leaf=lambda x: isinstance(
+        x, HyperballState)) if isinstance(s, HyperballState)]
+
+    def onto(w, r):
+        def per_layer(x):
+            return x.reshape(x.shape + (1,) * (w.ndim - x.ndim))
+        return jnp.where(per_layer(r) > 0, w * (per_layer(r) / per_layer(matrix_norm(w))), w)
+    return {**state, "params": jax.tree.map(onto, state["params"], hyper.radius)}
 
 
 def per_device_bytes(cfg: ModelConfig, tx, mesh_sizes: dict[str, int]) -> tuple[int, int]:
@@ -171,8 +190,15 @@ def read_config(run_dir: pathlib.Path) -> dict | None:
     return stored
 
 
-def write_config(run_dir: pathlib.Path, config: dict) -> None:
-    """config.json, written whole (a temporary file renamed into place)."""
+# config.json's identity record: the text the run trains on ("corpus", TokenData.corpus), and
+# this key, which says the file carries it (a run written before the record has neither).
+IDENTITY = {"identity": 1}
+
+
+def write_config(run_dir: pathlib.Path, config: dict, corpus: dict | None = None) -> None:
+    """config.json, written whole (a temporary file renamed into place); with `corpus`, the
+    run's identity record too."""
+    config = config | ({"corpus": corpus} | IDENTITY if corpus is not None else {})
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -185,10 +211,18 @@ def write_config(run_dir: pathlib.Path, config: dict) -> None:
 
 def check_corpus(run_dir: pathlib.Path, corpus: dict, what: str = "this resume") -> None:
     """A UserError where the run in run_dir was trained on other text than `corpus`
-    (TokenData.corpus, as config.json records it; a run written before it was kept is not
-    checked), naming both and the way on."""
-    stored = (read_config(run_dir) or {}).get("corpus")
-    if not isinstance(stored, dict) or stored.get("sha256") == corpus["sha256"]:
+    (TokenData.corpus, as config.json records it), naming both and the way on. A run written
+    before the record is trusted, and said so; one that has lost it is refused."""
+    config = read_config(run_dir) or {}
+    stored = config.get("corpus")
+    if not isinstance(stored, dict) and IDENTITY.items() <= config.items():
+        raise UserError(f"{run_dir}/config.json has lost its record of the text the run trained "
+                        "on (its \"corpus\"); was it edited? Restore it")
+    if not isinstance(stored, dict):
+        print(f"note: {run_dir} was written before runs recorded their text: {what} reads "
+              f"{corpus['source']} unchecked", flush=True)
+        return
+    if stored.get("sha256") == corpus["sha256"]:
         return
     way = ("set SPIKEFIX_STDLIB to a copy of the standard library it was trained on"
            if stored.get("source", "").startswith("the embedded corpus") else

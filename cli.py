@@ -79,6 +79,16 @@ def command(main):
     return guarded
 
 
+def simple_command(args_type, run, doc: str, prog: str):
+    """The main(argv) of a command that parses its flags into `args_type` and calls run(args)
+    (sample.py, export.py)."""
+    @command
+    def main(argv: list[str]) -> int:
+        run(parse(args_type, argv, description=doc, prog=prog))
+        return 0
+    return main
+
+
 def quiet_orbax_leftovers(unraisable, default=sys.unraisablehook) -> None:
     """Two kinds of orbax leftovers Python would print as "Exception ignored" tracebacks after
     a failure that is itself reported in one line: after a failed save, tensorstore's late

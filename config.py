@@ -149,11 +149,13 @@ PRESETS = {
     "marin-32b": TrainConfig(
         model=ModelConfig(vocab_size=128_256, d_model=5120, n_layers=64, n_heads=40,
                           n_kv_heads=8, d_ff=27_648, rope_theta=500_000.0, dtype="bfloat16"),
+        # configured for 1,000,000 steps, warmup 0.01, decay 0.4: the LR held at 7e-4 through
+        # every step it trained
         optim=OptimConfig(lr=7e-4, weight_decay=0.05, warmup_steps=10_000, decay="linear",
                           decay_fraction=0.4, min_lr_ratio=0.1),
         data=DataConfig(seq_len=4096, batch_size=8192),
         mesh=MeshConfig(data=256, model=4),
-        run_dir="runs/marin-32b", steps=160_000, checkpoint_every=1000, eval_every=1000),
+        run_dir="runs/marin-32b", steps=1_000_000, checkpoint_every=1000, eval_every=1000),
 }
 
 
@@ -224,7 +226,7 @@ def load_config(run_dir: pathlib.Path) -> TrainConfig | None:
     stored = read_config(run_dir)
     try:  # (its "corpus", the text it was trained on, is checked apart: checkpoint.check_corpus)
         return None if stored is None else config_from_dict(
-            {k: v for k, v in stored.items() if k != "corpus"})
+            {k: v for k, v in stored.items() if k not in ("corpus", "identity")})
     except (ValueError, TypeError, AttributeError) as e:
         raise UserError(f"{run_dir}/config.json is not a spikefix config ({e})") from None
 

@@ -18,7 +18,7 @@ import numpy as np
 import tyro
 
 from checkpoint import abstract_state, checkpoint_manager, restore_checkpoint, unreadable
-from cli import UserError, check_new_folder, claim_partial, command, parse
+from cli import UserError, check_new_folder, claim_partial, simple_command
 from config import load_checkpointed, make_tx
 from data import TokenData
 from distributed import MeshConfig, make_mesh
@@ -117,10 +117,7 @@ def export(args: ExportArgs) -> pathlib.Path:
     return out
 
 
-@command
-def main(argv: list[str]) -> int:
-    export(parse(ExportArgs, argv, description=__doc__, prog="export.py"))
-    return 0
+main = simple_command(ExportArgs, export, __doc__, "export.py")
 
 
 if __name__ == "__main__":

@@ -62,13 +62,13 @@ def recorded(cfg: TrainConfig, run_dir, at: int, resuming: bool) -> tuple[list, 
 
 
 def reapply(cfg: TrainConfig, tx, data: TokenData, state, user_cfg: TrainConfig, events: list,
-            later: list, run_dir, mesh) -> tuple:
+            beyond: list, run_dir, mesh) -> tuple:
     """(cfg, tx, data, state) of a resumed run with the guard's recorded actions applied (its
     replaced windows, re-warmups and escalations; an insertion its checkpoint predates is made
     again); the actions after the resumed checkpoint are moved aside."""
-    if later and jax.process_index() == 0:
-        aside = guard.set_aside(run_dir, events, later, time.strftime("%Y%m%d-%H%M%S"))
-        say(f"moved the guard's {len(later)} later action(s) aside to {aside}")
+    if beyond and jax.process_index() == 0:
+        aside = guard.set_aside(run_dir, events, beyond, time.strftime("%Y%m%d-%H%M%S"))
+        say(f"moved the guard's {len(beyond)} later action(s) aside to {aside}")
     if events:
         cfg = config_at(user_cfg, events)
         tx, data = make_tx(cfg), TokenData(cfg.data, cfg.model.vocab_size)

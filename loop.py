@@ -50,7 +50,7 @@ class Run:
         self.eval_tokens = put_held_out(data, mesh, self.rows)
         self.compile_steps, self.compiled = compile_steps, {}
 
-    def steps(self, cfg: TrainConfig, tx) -> tuple:
+    def compiled_steps(self, cfg: TrainConfig, tx) -> tuple:
         """(train_step, eval_step) for cfg's model and optimizer, compiled once."""
         if (key := (cfg.model, cfg.optim)) not in self.compiled:
             self.compiled[key] = self.compile_steps(cfg, tx)
@@ -63,7 +63,7 @@ class Run:
 
     def held_out(self, cfg: TrainConfig, tx, params) -> float:
         """The held-out loss of `params` (a host read: it waits for them)."""
-        return float(self.steps(cfg, tx)[1](params, self.eval_tokens))
+        return float(self.compiled_steps(cfg, tx)[1](params, self.eval_tokens))
 
     def rolled_back(self, cfg: TrainConfig) -> None:
         """After a rollback: the batches cfg replaces drawn afresh, the log's counts restarted."""
@@ -83,7 +83,7 @@ class StepInfo(NamedTuple):
 def run_loop(run: Run, cfg: TrainConfig, tx, state):
     """Train from the state's step to cfg.steps, yielding a StepInfo for each step read and
     each checkpoint saved; after the step where SIGINT / SIGTERM came it saves and ends."""
-    train_step, eval_step = run.steps(cfg, tx)
+    train_step, eval_step = run.compiled_steps(cfg, tx)
     step, pending = int(state["step"]), None
     while step < cfg.steps:
         # batch and step: dispatched, not waited for

@@ -41,6 +41,9 @@ class OptimConfig:
     # muonh is the hero run's (marin experiments/grug/moe_hero_ep/optimizer.py)
     optimizer: Literal["adamw", "muon", "adamh", "muonh"] = "adamw"
     adam_lr: float = 0.0  # adamh / muonh: the peak LR of the non-matrix leaves (0: --optim.lr)
+    # A switch to adamh / muonh mid-run (warmstart.py): each matrix's radius is its norm at the
+    # switch, or its norm at init ("init": the matrix rescaled onto that sphere at the switch)
+    hyperball_radius: Literal["switch", "init"] = "switch"
     # Muon: the hidden matrices on Muon, the rest on AdamW (Levanter's and K. Jordan's split)
     muon_momentum: float = 0.95  # Muon's Nesterov momentum (Keller Jordan's, Levanter's 0.95)
     lr: float = 3e-3  # peak learning rate (Marin 32B: 7e-4)
@@ -62,7 +65,7 @@ class OptimConfig:
     zclip_warmup: int = 25  # steps of grad norms ZClip collects before it clips (its default)
     warmup_steps: int = 100  # Marin 32B: 10,000
     decay: Literal["cosine", "linear"] = "cosine"
-    decay_fraction: float = 1.0  # decay over this fraction of the steps after warmup (Marin: 0.4)
+    decay_fraction: float = 1.0  # decay over this last fraction of all steps (Levanter's decay)
     min_lr_ratio: float = 0.1  # decay to this fraction of the peak (Marin, OLMo 2: 0.1)
     rewarmup_start: int = -1  # first step of a re-warmup; -1 = none (Marin: 80,000)
     rewarmup_steps: int = 1000  # Marin: 1,000 steps
@@ -99,6 +102,9 @@ class OptimConfig:
         check(("rewarmup_start",), lambda x: x >= -1, ">= 0 (or -1: no re-warmup)")
         check(("skip_window", "update_clip_window"), lambda x: x >= 2, ">= 2")
         check(("skip_patience",), lambda x: x >= 1, ">= 1")
+        if self.hyperball_radius != "switch" and not self.hyperball:
+            raise ValueError("optim.hyperball_radius sets where a switch to adamh or muonh puts "
+                             "each matrix: add --optim.optimizer adamh or muonh")
         if self.qk_clip and self.hyperball:
             raise ValueError("optim.qk_clip rescales q/k weights off their sphere: not with "
                              f"--optim.optimizer {self.optimizer}")
@@ -119,15 +125,16 @@ class OptimConfig:
 # Schedule
 
 def lr_schedule(cfg: OptimConfig, total_steps: int):
-    """Linear warmup -> hold -> decay (cosine or linear) over the last `decay_fraction` of the
-    steps after warmup, to `min_lr_ratio` * peak (as Levanter: continuous where warmup ends);
+    """Linear warmup -> hold -> decay (cosine or linear) over the last `decay_fraction` of all
+    the steps (at most every step after the warmup), to `min_lr_ratio` * peak, as Levanter's
+    schedule (its `decay`; continuous where warmup ends);
     then, if `rewarmup_start` >= 0, a re-warmup from that step over `rewarmup_steps`, linearly
     from `rewarmup_from_ratio` * peak up to the base schedule (Marin's 32B at step 80,000).
     A function of the global step: it advances on skipped steps too. NOTE: step 0's LR is
     peak / warmup_steps (nanoGPT's convention; Levanter's and optax's start at 0)."""
     peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
     after_warmup = max(total_steps - cfg.warmup_steps, 0)
-    decay_steps = max(int(round(after_warmup * cfg.decay_fraction)), 1)
+    decay_steps = max(min(int(cfg.decay_fraction * total_steps), after_warmup), 1)
     decay_start = total_steps - decay_steps
 
     def schedule(step):
@@ -441,12 +448,12 @@ def opt_metrics(opt_state, max_grad_norm: float = 0.0) -> dict:
     found = _metrics_by_type(opt_state)
     if NonfiniteMetrics not in found:  # an optimizer built elsewhere (bench/bench.py's plain AdamW)
         return {}
-    guard = found[NonfiniteMetrics]
-    skipped = guard.refused
-    out = {"grad_norm": guard.grad_norm,
-           "grad_norm_clipped": (jnp.minimum(guard.grad_norm, max_grad_norm) if max_grad_norm > 0
-                                 else guard.grad_norm),
-           "update_norm": guard.update_norm, "update_norm_clipped": guard.update_norm}
+    nonfinite = found[NonfiniteMetrics]
+    skipped, grad_norm = nonfinite.refused, nonfinite.grad_norm
+    out = {"grad_norm": grad_norm,
+           "grad_norm_clipped": (jnp.minimum(grad_norm, max_grad_norm) if max_grad_norm > 0
+                                 else grad_norm),
+           "update_norm": nonfinite.update_norm, "update_norm_clipped": nonfinite.update_norm}
     if OutlierMetrics in found:
         o = found[OutlierMetrics]
         skipped = skipped | o.skipped
@@ -454,7 +461,7 @@ def opt_metrics(opt_state, max_grad_norm: float = 0.0) -> dict:
                 "skip_grad_norm_threshold": o.grad_norm_threshold}
     if GradClipMetrics in found:  # ZClip: what it clipped to
         g = found[GradClipMetrics]
-        out |= {"grad_norm_clipped": jnp.where(guard.refused, guard.grad_norm, g.norm_after),
+        out |= {"grad_norm_clipped": jnp.where(nonfinite.refused, grad_norm, g.norm_after),
                 "grad_clip_threshold": g.threshold}
     if UpdateClipMetrics in found:
         c = found[UpdateClipMetrics]

@@ -23,7 +23,7 @@ import numpy as np
 import tyro
 
 import attention as A
-from cli import UserError, command, parse
+from cli import UserError, simple_command
 from config import TrainConfig, load_checkpointed
 from export import restore_params
 from model import (
@@ -189,10 +189,7 @@ def sample(args: SampleArgs) -> str:
     return decode(ids)
 
 
-@command
-def main(argv: list[str]) -> int:
-    sample(parse(SampleArgs, argv, description=__doc__, prog="sample.py"))
-    return 0
+main = simple_command(SampleArgs, sample, __doc__, "sample.py")
 
 
 if __name__ == "__main__":

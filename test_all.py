@@ -855,7 +855,13 @@ def test_the_schedule_warms_up_holds_and_decays():
     s = O.lr_schedule(cfg, 100)
     assert float(s(0)) == pytest.approx(0.1) and float(s(9)) == pytest.approx(1.0)
     assert float(s(50)) == pytest.approx(1.0)  # hold
-    assert float(s(77.5)) == pytest.approx(0.55)  # halfway down the last 45 of the 90 steps
+    assert float(s(75)) == pytest.approx(0.55)  # halfway down the last 50 of the 100 steps
+    # Levanter's `decay`: a fraction of all the steps (9e-4 of the peak apart at step 640 of
+    # 1,000, warmup 100, from a fraction of the steps after the warmup), at most those after it
+    lev = O.lr_schedule(dataclasses.replace(cfg, warmup_steps=100, decay_fraction=0.4), 1000)
+    assert float(lev(600)) == pytest.approx(1.0) and float(lev(800)) == pytest.approx(0.55)
+    assert float(O.lr_schedule(dataclasses.replace(cfg, decay_fraction=0.95), 100)(55)) == \
+        pytest.approx(float(O.lr_schedule(dataclasses.replace(cfg, decay_fraction=1.0), 100)(55)))
     assert float(s(100)) == pytest.approx(0.1)
     cos = O.lr_schedule(dataclasses.replace(cfg, decay="cosine", decay_fraction=1.0), 100)
     assert float(cos(10)) == pytest.approx(1.0)  # the decay starts where warmup ends
@@ -2544,6 +2550,24 @@ def test_a_resume_or_a_warm_start_on_other_text_is_refused_naming_both(tmp_path,
         monkeypatch.setenv("SPIKEFIX_STDLIB", str(libs["a"]))  # its own text: it resumes
         D.embedded_corpus.cache_clear()
         assert T.main(["--resume", str(tmp_path / "run"), "--steps", "6", "--mesh.data", "8"]) == 0
+        # a --no-train warm start records the text too: a resume of it on other text, or the
+        # same command run again to train, is refused
+        warm = ["--from", str(tmp_path / "run"), "--to", str(tmp_path / "warm"), "--insert",
+                "none", "--steps", "12", "--mesh.data", "8"]
+        assert W.main(warm + ["--no-train"]) == 0
+        assert json.loads((tmp_path / "warm" / "config.json").read_text())["corpus"] == stored
+        monkeypatch.setenv("SPIKEFIX_STDLIB", str(libs["b"]))
+        D.embedded_corpus.cache_clear()
+        capsys.readouterr()
+        for main, argv in ((T.main, ["--resume", str(tmp_path / "warm"), "--mesh.data", "8"]),
+                           (W.main, warm)):
+            assert main(argv) == 2 and "other text" in capsys.readouterr().err
+        config = json.loads((tmp_path / "warm" / "config.json").read_text())
+        del config["corpus"]  # a record this version wrote, lost: refused, not trusted
+        (tmp_path / "warm" / "config.json").write_text(json.dumps(config))
+        assert T.main(["--resume", str(tmp_path / "warm"), "--mesh.data", "8"]) == 2
+        assert "lost its record of the text" in capsys.readouterr().err
+        assert C.saved_steps(tmp_path / "warm") == [6]
     finally:
         D.embedded_corpus.cache_clear()
 
@@ -3353,6 +3377,35 @@ def test_a_switch_to_adamh_mid_run_takes_each_matrix_norm_at_the_switch(straight
         np.testing.assert_array_equal(new_leaves[key], old_leaves[key], err_msg=key)
 
 
+def test_a_switch_to_adamh_with_the_initial_radius_rescales_each_matrix_onto_it(
+        straight_run, tmp_path):
+    """--optim.hyperball-radius init: at the switch each matrix (per stacked layer) is rescaled
+    onto its norm at init, which is its radius from then on; its direction and every other
+    leaf (Adam's moments too) are the source's."""
+    src_cfg, _ = straight_run
+    args = W.WarmStartArgs(source=src_cfg.run_dir, to=str(tmp_path / "h"), step=3,
+                           insert="none", no_train=True)
+    cfg = W.convert(args, ["--steps", "12", "--optim.optimizer", "adamh",
+                           "--optim.hyperball-radius", "init"], devices=jax.devices()[:1])
+    old, new = restore_final(src_cfg, 3), restore_final(cfg, 3)
+    (hyper,) = [s for s in jax.tree.leaves(new["opt_state"], is_leaf=lambda x: isinstance(
+        x, HB.HyperballState)) if isinstance(s, HB.HyperballState)]
+    init = flat_params(M.init_params(cfg.model, jax.random.key(cfg.seed)))
+    radius, before, after = (flat_params(t) for t in (hyper.radius, old["params"],
+                                                      new["params"]))
+    for k, on in flat_params(M.optimizer_layout(cfg.model)["sphere_mask"]).items():
+        if not on:
+            np.testing.assert_array_equal(after[k], before[k], err_msg=k)
+            continue
+        np.testing.assert_allclose(radius[k], numpy_norm(init[k]), rtol=1e-6, err_msg=k)
+        np.testing.assert_allclose(numpy_norm(after[k]), numpy_norm(init[k]), rtol=1e-5)
+        scale = per_layer(numpy_norm(after[k]) / numpy_norm(before[k]), before[k])
+        np.testing.assert_allclose(after[k], before[k] * scale, rtol=1e-5, atol=1e-8)
+    assert not np.allclose(numpy_norm(before["head"]), numpy_norm(init["head"]), rtol=1e-3)
+    with pytest.raises(ValueError, match="add --optim.optimizer adamh or muonh"):
+        O.OptimConfig(hyperball_radius="init")
+
+
 def wandb_records(run_dir: pathlib.Path, wait_s: float = 60.0) -> list:
     """The records of a run's offline W&B files, read once the exit record is there: W&B's
     writer is another process and may still be writing after `finish` returns (seen once in a
@@ -3430,7 +3483,7 @@ def test_a_warm_started_run_rewarms_and_learns(warm_started, tmp_path):
         T.train(more, devices=jax.devices()[:1])
     on_4x2 = restore_final(cfg, 12)
     one = dataclasses.replace(cfg, mesh=CF.MeshConfig(1, 1), resume_step=9)
-    assert T.train(one, devices=jax.devices()[:1])["step"] == 11 == last["step"]
+    assert T.train(one, devices=jax.devices()[:1]).last["step"] == 11 == last["step"]
     for a, b in zip(jax.tree.leaves(on_4x2), jax.tree.leaves(restore_final(cfg, 12))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-3)
 

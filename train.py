@@ -89,7 +89,7 @@ def build_train_step(cfg: TrainConfig, tx):
     schedule = lr_schedule(cfg.optim, cfg.steps)
     clip = cfg.optim.qk_clip > 0  # QK-Clip reads each head's max logit on the batch
 
-    def loss_and_grads(params, tokens_BT1, stats):
+    def loss_and_grads(params, tokens_BT1, loss_options):
         """(loss, aux), gradients of the whole batch; with --microbatches k the gradient is
         summed over k slices of it in a lax.scan (gradient accumulation; slice j holds rows j,
         j + k, ..., so every slice splits over "data" as the batch does): the mean loss and
@@ -97,13 +97,13 @@ def build_train_step(cfg: TrainConfig, tx):
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         k = cfg.microbatches
         if k == 1:
-            return grad_fn(params, tokens_BT1, cfg.model, **stats)
+            return grad_fn(params, tokens_BT1, cfg.model, **loss_options)
         B, T1 = tokens_BT1.shape
         slices_KBT1 = jnp.swapaxes(tokens_BT1.reshape(B // k, k, T1, out_sharding=P(
             BATCH[0], None, None)), 0, 1)  # (the step runs inside a mesh: train.py, the harness)
 
         def add(grads, tokens):
-            (loss, aux), g = grad_fn(params, tokens, cfg.model, **stats)
+            (loss, aux), g = grad_fn(params, tokens, cfg.model, **loss_options)
             return jax.tree.map(jnp.add, grads, g), (loss, aux)
         grads, (loss_K, aux_K) = jax.lax.scan(add, jax.tree.map(jnp.zeros_like, params),
                                               slices_KBT1)
@@ -113,8 +113,8 @@ def build_train_step(cfg: TrainConfig, tx):
 
     def train_step(state, tokens_BT1):
         params = state["params"]
-        stats = {"head_stats": True} if clip else {}
-        (loss, aux), grads = loss_and_grads(params, tokens_BT1, stats)
+        loss_options = {"head_stats": True} if clip else {}
+        (loss, aux), grads = loss_and_grads(params, tokens_BT1, loss_options)
         heads = {"attn_logit_max_per_head": aux.pop("attn_logit_max_per_head")} if clip else {}
         updates, opt_state = tx.update(grads, state["opt_state"], params, loss=loss,
                                        step=state["step"], **heads)
@@ -228,7 +228,7 @@ class Start(NamedTuple):
     user_cfg: TrainConfig  # the config asked for (a resume: the stored one, as changed)
     cfg: TrainConfig  # the config at the checkpoint resumed (the guard's actions applied)
     events: list  # the guard's recorded actions up to that checkpoint...
-    later: list  # ...and after it (a --resume-step went back past them)
+    beyond: list  # ...and after it (a --resume-step went back past them)
     data: TokenData
     corpus: dict
     hf_params: dict | None
@@ -237,16 +237,16 @@ class Start(NamedTuple):
 def read_start(cfg: TrainConfig, run_dir: pathlib.Path) -> Start:
     check_run_dir(run_dir, cfg.resume_step)
     stored, checkpoints = load_config(run_dir), saved_steps(run_dir)
-    at = cfg.resume_step if cfg.resume_step is not None else (checkpoints or [0])[-1]
-    user_cfg = resumed(stored, cfg, at) if stored is not None else cfg
+    resume_at = cfg.resume_step if cfg.resume_step is not None else (checkpoints or [0])[-1]
+    user_cfg = resumed(stored, cfg, resume_at) if stored is not None else cfg
     hf_params = load_hf(pathlib.Path(cfg.init_from_hf), cfg.model) if cfg.init_from_hf and \
         not checkpoints else None
-    events, later = guarded.recorded(user_cfg, run_dir, at, bool(checkpoints))
-    cfg = config_at(user_cfg, events, at)  # the checkpoint's shape
+    events, beyond = guarded.recorded(user_cfg, run_dir, resume_at, bool(checkpoints))
+    cfg = config_at(user_cfg, events, resume_at)  # the checkpoint's shape
     data = load_data(cfg)
     if (corpus := data.corpus()) and checkpoints:  # a resume reads the text the run trained on
         check_corpus(run_dir, corpus)
-    return Start(user_cfg, cfg, events, later, data, corpus, hf_params)
+    return Start(user_cfg, cfg, events, beyond, data, corpus, hf_params)
 
 
 def set_up(start: Start, run_dir: pathlib.Path, mesh) -> tuple:
@@ -257,12 +257,12 @@ def set_up(start: Start, run_dir: pathlib.Path, mesh) -> tuple:
     mngr, state = resume(run_dir, target, cfg.keep_checkpoints, cfg.resume_step, say)
     if state is None:
         state = fresh(cfg, tx, target, start.hf_params, run_dir, data)
-    if start.events or start.later:
+    if start.events or start.beyond:
         cfg, tx, data, state = guarded.reapply(cfg, tx, data, state, start.user_cfg,
-                                               start.events, start.later, run_dir, mesh)
+                                               start.events, start.beyond, run_dir, mesh)
     say(identity(cfg))
     if jax.process_index() == 0:
-        write_config(run_dir, dataclasses.asdict(start.user_cfg) | {"corpus": start.corpus})
+        write_config(run_dir, dataclasses.asdict(start.user_cfg), start.corpus)
     return cfg, tx, data, state, mngr or checkpoint_manager(run_dir, cfg.keep_checkpoints)
 
 

@@ -42,7 +42,7 @@ import tyro
 
 import checkpoint
 import train
-from checkpoint import carry, init_new_leaves
+from checkpoint import carry, init_new_leaves, onto_radius
 from cli import UserError, command, parse
 from config import (
     TrainConfig,
@@ -132,7 +132,7 @@ def load_source(run: pathlib.Path, step: int | None, insert: str = "qk-norm"
 
 
 def convert_checkpoint(src_run: pathlib.Path, step: int, src_cfg: TrainConfig,
-                       cfg: TrainConfig, mesh, dst_run: pathlib.Path):
+                       cfg: TrainConfig, mesh, dst_run: pathlib.Path, corpus: dict | None):
     """The surgery: restore the source state onto `mesh`, carry it into cfg's state, save it to
     dst_run at the same step. Returns (source state, converted state, carried, new, dropped).
     Everything is written to DST.converting/ first and renamed to dst_run only once the
@@ -148,12 +148,13 @@ def convert_checkpoint(src_run: pathlib.Path, step: int, src_cfg: TrainConfig,
     target = checkpoint.abstract_state(cfg.model, tx, mesh)
     state, carried, new, dropped = carry(source, target,
                                          init_new_leaves(cfg, tx, target, source["params"]))
+    state = onto_radius(cfg, state, new)
     partial = converting(dst_run)
     if partial.exists():  # what a killed conversion left (check_target made sure it is ours)
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
     (partial / MARK).write_text(f"{src_run}@{step}\n")
-    checkpoint.write_config(partial, dataclasses.asdict(cfg))
+    checkpoint.write_config(partial, dataclasses.asdict(cfg), corpus)
     mngr = checkpoint.checkpoint_manager(partial, cfg.keep_checkpoints)
     checkpoint.save_checkpoint(mngr, step, state, dataclasses.asdict(cfg))
     mngr.wait_until_finished()
@@ -221,7 +222,7 @@ def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> TrainCon
     with jax.set_mesh(mesh):
         t0 = time.perf_counter()
         source, state, carried, new, dropped = convert_checkpoint(src_run, step, src_cfg, cfg,
-                                                                  mesh, dst_run)
+                                                                  mesh, dst_run, data.corpus())
         seconds = time.perf_counter() - t0
         tokens = put_held_out(data, mesh)
         loss_before = float(train.make_eval_step(src_cfg)(source["params"], tokens))

@@ -458,7 +458,7 @@ def bench_warmstart(cfg, repeats=3):
                 out.wait_until_finished()
                 plain.append(time.perf_counter() - t)
                 t = time.perf_counter()
-                W.convert_checkpoint(tmp / "src", 100, src, qk, mesh, tmp / f"surgery{i}")
+                W.convert_checkpoint(tmp / "src", 100, src, qk, mesh, tmp / f"surgery{i}", None)
                 convert.append(time.perf_counter() - t)
             t = time.perf_counter()  # the whole command: + data, held-out losses, report
             with contextlib.redirect_stdout(io.StringIO()):  # its report, not bench's

@@ -86,7 +86,7 @@ from lab.stats import (
     compare,
     spread,
 )
-from lab.store import layer_max, load, machine, read_curve, same_bits
+from lab.store import cpu_label, layer_max, load, machine, read_curve, same_bits
 from lab.tables import (
     RESULTS,
     evidence_json,
@@ -577,6 +577,12 @@ def main(argv: list[str]) -> int:
         harness_tables(args)
         return 0
     names = list(args.names)
+    cpu = cpu_label(machine())
+    for name in names:  # a row declared for one CPU (a second draw of a row) trains there
+        g = HARNESS_ROWS.get(name.partition("@")[0])
+        if g is not None and g.cpu and g.cpu not in cpu:
+            raise UserError(f"{name} is declared for an {g.cpu}; this machine is {cpu}: run it "
+                            "there")
     if any("@" in n for n in names):  # ROW@LR: one LR of a harness row, kept, not recorded
         for row, _, lr in (n.partition("@") for n in names):
             if row not in HARNESS_ROWS or not lr:
@@ -612,11 +618,6 @@ def main(argv: list[str]) -> int:
             print(f"{g.name:<26} (harness, seeds {','.join(map(str, g.seeds))}) "
                   f"{'done' if g.name in done else 'to run'}")
         return 0
-    cpu = machine()["cpu"]
-    for g in groups:  # a row declared for one CPU model (a second draw of a row) trains there
-        if g.cpu and g.cpu not in cpu:
-            raise UserError(f"{g.name} is declared for an {g.cpu}; this machine is {cpu}: run it "
-                            "there")
     cores = sorted(os.sched_getaffinity(0))
     if args.cores is not None and not 1 <= args.cores <= len(cores):
         raise UserError(f"--cores must be in 1..{len(cores)} (this process may use cores "

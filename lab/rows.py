@@ -471,6 +471,29 @@ TUNE_ROWS += [g for base in [dataclasses.replace(EVIDENCE, name="story8-adam-bes
                                                  compare_with="story8-adam-best-qk", label="")]
               for g in (base, twin(base, compare_with=""))]
 HYPERBALL_ROWS += TUNE_ROWS
+# The switch, as a 2 x 3 with its control (declared before any of these ran; its events counted
+# from the fork step). Its source first, on one CPU model exactly (the forks are bitwise only
+# there): the story baseline with its states kept, then its QK-Norm twin, which gives the
+# parting step and the hard-batch control on the same bits. At the source's forks (fork_steps'
+# rule), each with the 100-step re-warmup from 0.1x: AdamH, the other leaves on Adam at the
+# story's LR, with each matrix's radius {its norm at the switch, its norm at init (the matrix
+# rescaled onto it at the switch)} x the angle {0.07, 0.01, matched}; the control, Adam kept
+# with the same re-warmup alone; and QK-Norm inserted. The matched angle, declared once the
+# source is stored, by this rule: Adam's relative step per layer (update_ratio_per_layer,
+# |dW| / |W|) averaged over the layers, the 100 steps before each seed's fork, and the seeds.
+SWITCH_CPU = "AMD EPYC (family 25, model 1, stepping 1)"
+SWITCH_SRC = dataclasses.replace(EVIDENCE, name="story8-switch-src", cpu=SWITCH_CPU,
+                                 compare_with="story8-switch-src-qk", label="")
+SWITCH_ROWS = [SWITCH_SRC, twin(SWITCH_SRC, snapshot_every=0, compare_with="")]
+SWITCH_ROWS += [dataclasses.replace(SWITCH_SRC, name=name, fork=SWITCH_SRC.name, snapshot_every=0,
+                                    lrs=lrs, optim=optim, qk_norm=qk)
+                for name, lrs, optim, qk in [
+                    *[(f"story8-switch-adamh-{radius}-a{angle:g}", (angle,),
+                       ADAMH + REWARM + (("hyperball_radius", radius),), False)
+                      for radius in ("switch", "init") for angle in (0.07, 0.01)],
+                    ("story8-switch-control", (5e-2,), REWARM, False),
+                    ("story8-switch-qk-inserted", (5e-2,), REWARM, True)]]
+HYPERBALL_ROWS += SWITCH_ROWS
 # The README's six rows of the evidence (lab/tables.py:readme_summary), in its order.
 README_ROWS = (("story8", "baseline (no QK-Norm)"), ("story8-qk", "QK-Norm from scratch"),
                ("story8-marin-32b", "the 32B's levers: clip 0.2, skip-step, update clip"),

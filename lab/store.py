@@ -92,6 +92,13 @@ def machine() -> dict:
                   "affinity": sorted(os.sched_getaffinity(0))}
 
 
+def cpu_label(m: dict) -> str:
+    """"AMD EPYC (family 25, model 1, stepping 1)": a machine record's CPU exactly, as a row's
+    `cpu` names it (a row that names only "AMD EPYC" takes any of them)."""
+    return (f"{m.get('cpu')} (family {m.get('cpu_family')}, model {m.get('cpu_model')}, "
+            f"stepping {m.get('cpu_stepping')})")
+
+
 def same_bits(ran: dict, now: dict) -> list[str]:
     """The fields of BITWISE_KEYS on which two machine records differ (a record older than a
     field does not name it: that field is listed as unknown)."""
