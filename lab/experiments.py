@@ -100,6 +100,7 @@ from lab.tables import (
     readme_summary,
     s1_markdown,
     teach_markdown,
+    tune_markdown,
     update_readme,
     write_results_json,
 )
@@ -535,6 +536,7 @@ def harness_tables(args: Args) -> None:
         update_readme(s1_markdown(record), part="s1")
         update_readme(probe_markdown(record), part="probes")
         update_readme(teach_markdown(record), part="teach")
+        update_readme(tune_markdown(record), part="adamh-tune")
         print(f"wrote the 8-seed rows in {RESULTS}/results.json ('evidence')")
     if args.breaks and args.plot:
         update_readme(lever_breaks_top(record), pathlib.Path("README.md"), "lever-breaks")
