@@ -367,9 +367,14 @@ def pyplot():
 
 
 def save_figure(fig, path: pathlib.Path, dpi: int) -> pathlib.Path:
+    """The figure written to `path` (a folder it cannot write to, or a full disk, is one line)."""
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
-    pyplot().close(fig)
+    try:
+        fig.savefig(path, dpi=dpi)
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror}") from None
+    finally:
+        pyplot().close(fig)
     return path
 
 
@@ -483,17 +488,32 @@ def main(argv: list[str]) -> int:
     args = parse(ReportArgs, argv, description=__doc__)
     if not args.runs:
         raise UserError("give at least one run directory: report.py RUN [RUN ...]")
-    runs = {pathlib.Path(r).name or r: read_metrics(r) for r in args.runs}
+    paths = list(dict.fromkeys(args.runs))  # (a run named twice is reported once)
+    runs = {name: read_metrics(r) for name, r in zip(labels(paths), paths)}
     for name, m in runs.items():
         print(event_report(m, name, args.rule, args.shift))
     if args.plot:
-        units = {run_unit(pathlib.Path(r)) for r in args.runs}
+        units = {run_unit(pathlib.Path(r)) for r in paths}
         runs = {name: with_source(pathlib.Path(r), m) for (name, m), r in zip(runs.items(),
-                                                                            args.runs)}
+                                                                            paths)}
         for path in plot(runs, pathlib.Path(args.plot), args.rule,
                          unit=units.pop() if len(units) == 1 else ""):
             print(f"wrote {path}")
     return 0
+
+
+def labels(paths: list[str]) -> list[str]:
+    """Each run's name: the shortest end of its path that no other run's shares ("run", or
+    "a/run" and "b/run" for two runs named "run")."""
+    parts = [pathlib.Path(p).resolve().parts for p in paths]
+
+    def distinct(i: int) -> str:
+        p = parts[i]
+        for k in range(1, len(p) + 1):
+            if all(q[-k:] != p[-k:] for j, q in enumerate(parts) if j != i):
+                return "/".join(p[-k:])
+        return paths[i]
+    return [distinct(i) for i in range(len(paths))]
 
 
 def run_unit(run: pathlib.Path) -> str:

@@ -2344,6 +2344,9 @@ BAD_INPUTS = [
     ("report", ["{lossless_metrics}"], "records without a loss"),
     ("report", ["{empty}"], "no metrics.jsonl"),
     ("report", ["{lossless_metrics}", "--no-such-flag"], "--no-such-flag"),
+    ("report", ["{bool_step_metrics}"], "metrics.jsonl:1: step True is not a step number"),
+    ("report", ["{bad_utf8_metrics}"], "metrics.jsonl:2 is not UTF-8 text"),
+    ("report", ["{trained}", "--plot", "{blocked_plot}"], "overview.png: Is a directory"),
     # token shards: folders, globs, a validation source
     ("train", ["--data.source", "{empty_dir}/*.bin"], "matches no file"),
     ("train", ["--data.source", "{bad_magic}"], "unknown llm.c shard magic 20240999"),
@@ -2449,7 +2452,8 @@ def bad_files(tmp_path_factory, straight_run):
              "config_list": "[]", "config_null": "null", "config_steps_text": '{"steps": "ten"}',
              "config_model_number": '{"model": 5}', "config_lr_text": '{"optim": {"lr": "fast"}}',
              "config_lr_nan": '{"optim": {"lr": NaN}}', "config_unknown": '{"nonsense": 1}',
-             "config_empty": "{}", "string_loss_metrics": '{"step": 0, "loss": "high"}\n'}
+             "config_empty": "{}", "string_loss_metrics": '{"step": 0, "loss": "high"}\n',
+             "bool_step_metrics": '{"step": true, "loss": 1.0}\n{"step": 2, "loss": 1.0}\n'}
     for name, text in texts.items():
         (d / name).mkdir()
         (d / name / ("metrics.jsonl" if "metrics" in name else "config.json")).write_text(text)
@@ -2477,6 +2481,10 @@ def bad_files(tmp_path_factory, straight_run):
     (d / "zero.bin").write_bytes(b"")
     os.mkfifo(d / "fifo")
     (d / "metrics_dir" / "metrics.jsonl").mkdir(parents=True)
+    (d / "bad_utf8_metrics").mkdir()
+    (d / "bad_utf8_metrics" / "metrics.jsonl").write_bytes(
+        b'{"step": 0, "loss": 1.0}\n{"step": 1, "loss": \xff1.0}\n')
+    (d / "blocked_plot" / "overview.png").mkdir(parents=True)  # the figure cannot be written
     (d / "checkpoints_file").mkdir()
     (d / "checkpoints_file" / "checkpoints").write_text("not a directory")
     (d / "user_folder").mkdir()  # a folder of the user's files, one named like ours
@@ -2492,6 +2500,7 @@ def bad_files(tmp_path_factory, straight_run):
             "hf_nan": d / "hf_nan", "hf_truncated": d / "hf_truncated",
             "negative": d / "negative.npy", "zero_bin": d / "zero.bin", "fifo": d / "fifo",
             "metrics_dir": d / "metrics_dir", "user_folder": d / "user_folder",
+            "bad_utf8_metrics": d / "bad_utf8_metrics", "blocked_plot": d / "blocked_plot",
             **{n: d / n for n in [*texts, "checkpoints_file", "capped"]}}
 
 
@@ -2517,6 +2526,29 @@ def test_bad_input_exits_2_and_writes_nothing(command, argv, message, bad_files,
     assert "-----" not in err and "--help\n" not in err  # (tyro's rules off a terminal)
     assert [tree_hashes(t) for t in trees] == before
     assert not (tmp_path / "run").exists()
+
+
+def test_report_names_two_runs_of_one_folder_name_by_their_paths(straight_run, tmp_path,
+                                                                capsys):
+    """report.py a/run b/run: each run reported (and drawn) under the shortest end of its path
+    that the other does not share."""
+    for side in "ab":
+        (tmp_path / side / "run").mkdir(parents=True)
+        for f in ("metrics.jsonl", "config.json"):
+            shutil.copy(pathlib.Path(straight_run[0].run_dir) / f, tmp_path / side / "run")
+    assert R.main([str(tmp_path / "a" / "run"), str(tmp_path / "b" / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "a/run" in out and "b/run" in out
+    assert R.labels([str(tmp_path / "a" / "run"), str(tmp_path / "c")]) == ["run", "c"]
+
+
+def test_the_warm_starts_summary_names_the_parameters_it_added(straight_run, tmp_path, capsys):
+    """The summary is read from the converted state's new leaves, not from --insert: QK-Norm
+    asked for by a model flag under --insert none is named as added."""
+    argv = ["--from", straight_run[0].run_dir, "--to", str(tmp_path / "w"), "--insert", "none",
+            "--model.qk-norm", "--steps", "12", "--no-train", "--mesh.data", "8"]
+    assert W.main(argv) == 0
+    assert "with k_norm, q_norm added" in capsys.readouterr().out
 
 
 def test_a_resume_or_a_warm_start_on_other_text_is_refused_naming_both(tmp_path, monkeypatch,
@@ -2696,7 +2728,8 @@ def test_ctrl_c_twice_stops_at_once_in_one_line(tmp_path):
     run = tmp_path / "run"
     proc = start_tiny_run(run, "--checkpoint-every", "2", "--keep-checkpoints", "100")
     try:
-        wait_for_step(proc, 5)
+        # step 7 is read before step 8 is saved, and by then the save of 6 has waited for 4's
+        wait_for_step(proc, 7)
         proc.send_signal(signal.SIGINT)
         # (the steps that ran before the signal was seen may be printed first)
         wait_for_line(proc, lambda line: "SIGINT: saving a checkpoint" in line, "the SIGINT line")

@@ -239,7 +239,8 @@ def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> TrainCon
     print(f"\n{len(carried)} leaves carried, {len(new)} new, {len(dropped)} dropped; step {step}")
     print(f"LR at step {step}: {lr_before:.3e} before, {lr_after:.3e} after (re-warmed linearly "
           f"to the schedule over {cfg.optim.rewarmup_steps} steps)")
-    what = "nothing inserted" if args.insert == "none" else f"{args.insert} inserted"
+    added = [k.rsplit("['", 1)[-1].rstrip("']") for k, _ in new if k.startswith("['params']")]
+    what = f"{', '.join(added)} added" if added else "no parameter added"
     print(f"held-out loss: {loss_before:.4f} before, {loss_after:.4f} with {what} "
           f"({loss_after - loss_before:+.4f})")
     print(f"wrote {dst_run} (restore, carry, save: {seconds:.2f}s)")

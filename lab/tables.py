@@ -342,12 +342,11 @@ def teach_markdown(record: dict, groups=tuple(g.name for g in TEACH8_ROWS)) -> s
 
 def tune_markdown(record: dict) -> str:
     """Best against best: the tuning rows recorded so far (lab/rows.py, TUNE_ROWS), per row the
-    arm, AdamH's angle and the other leaves' Adam LR, the seeds with a level shift, held-out
-    (the mean of the last 1,000 steps' evals; its mean and the seeds' range) and the max
-    attention logit; then each arm's best angle by the declared rule (the lowest mean held-out)
-    among those recorded."""
-    lines = ["| row | QK-Norm | angle | Adam LR (other leaves) | seeds with a level shift | "
-             "held-out (nats/byte), mean (range) | max attn logit, mean |", "|---" * 7 + "|"]
+    arm, AdamH's angle and the other leaves' Adam LR, the seeds with a level shift and held-out
+    (the mean of the last 1,000 steps' evals; its mean and the seeds' range); then each arm's
+    best angle by the declared rule (the lowest mean held-out) among those recorded."""
+    lines = ["| QK-Norm | angle | Adam LR, other leaves | seeds shifting | held-out: mean "
+             "(range) |", "|---" * 5 + "|"]
     best: dict[bool, tuple[float, str]] = {}
     for g in TUNE_ROWS:
         if g.name not in record["groups"]:
@@ -355,12 +354,11 @@ def tune_markdown(record: dict) -> str:
         ms = record["groups"][g.name]["members"]
         h = [held_out(m["eval_step"], m["eval_loss"], m["steps"]) for m in ms]
         optim = dict(g.optim)
-        angle = f"{g.lrs[0]:g}" if optim.get("optimizer") == "adamh" else "— (Adam)"
-        adam_lr = optim.get("adam_lr", g.lrs[0])
-        lines.append(f"| {g.name} | {'yes' if g.qk_norm else 'no'} | {angle} | {adam_lr:g} | "
+        angle = f"{g.lrs[0]:g}" if optim.get("optimizer") == "adamh" else "Adam"
+        lines.append(f"| {'yes' if g.qk_norm else 'no'} | {angle} | "
+                     f"{optim.get('adam_lr', g.lrs[0]):g} | "
                      f"{sum(bool(m['shift_steps']) for m in ms)} of {len(ms)} | "
-                     f"{np.mean(h):.3f} ({min(h):.3f}-{max(h):.3f}) | "
-                     f"{np.mean([m['max_attn_logit'] for m in ms]):,.0f} |")
+                     f"{np.mean(h):.3f} ({min(h):.3f}-{max(h):.3f}) |")
         if optim.get("optimizer") == "adamh" and np.mean(h) < best.get(g.qk_norm, (np.inf,))[0]:
             best[g.qk_norm] = (float(np.mean(h)), angle)
     cpus = sorted({cpu_label(record["groups"][g.name]["machine"]) for g in TUNE_ROWS

@@ -941,7 +941,7 @@ def test_the_stored_tables_are_recomputed_from_the_stored_curves_digit_for_digit
             *[("results/README.md", part, table) for part, table in (
                 ("widths", BR.widths_markdown), ("zloss", BR.zloss_markdown),
                 ("knobs", BR.knobs_markdown), ("lever-breaks", BR.lever_breaks_markdown),
-                ("teach", TB.teach_markdown))],
+                ("teach", TB.teach_markdown), ("adamh-tune", TB.tune_markdown))],
             ("README.md", "evidence-summary", lambda r: TB.readme_summary(six))):
         text = (root / readme).read_text()
         start = f"<!-- {part}: written by lab/experiments.py -->\n"
