@@ -342,13 +342,32 @@ def parse_flags(default: TrainConfig, args: list[str], description: str = "") ->
     given = [a.split("=")[0] for a in args if a.startswith("--guard.") and a != "--guard.on"]
     if given and not cfg.guard.on:
         raise UserError(f"{given[0]} is a setting of the guard, which is off: add --guard")
-    flags = {a.split("=")[0] for a in args}
-    for flag, off, what in (("--model.attn-gate-form", cfg.model.attn_gate == "none",
-                             "the attention gate, which is off: add --model.attn-gate headwise"),
-                            ("--model.mup-base-width", cfg.model.param != "mup",
-                             "muP, which is off: add --model.param mup")):
-        if flag in flags and off:
-            raise UserError(f"{flag} is a setting of {what}")
+    flags, o = {a.split("=")[0] for a in args}, cfg.optim
+    for names, off, what in (  # a flag that changes nothing where it was given
+            ("attn-gate-form", cfg.model.attn_gate == "none",
+             "the attention gate, which is off: add --model.attn-gate headwise"),
+            ("mup-base-width", cfg.model.param != "mup",
+             "muP, which is off: add --model.param mup"),
+            ("adam-lr", not o.hyperball, "adamh and muonh (the LR of their other leaves): add "
+             "--optim.optimizer adamh or muonh"),
+            ("muon-momentum", o.optimizer not in ("muon", "muonh"), "Muon: add --optim.optimizer "
+             "muon or muonh"),
+            ("b2", o.b2_rule == "batch", "a fixed beta2, which --optim.b2-rule batch replaces: "
+             "give one of the two"),
+            ("weight-decay", o.hyperball, f"Adam's decay, which --optim.optimizer {o.optimizer} "
+             "does not apply (each matrix stays on its sphere): drop it"),
+            ("zclip-alpha zclip-z zclip-warmup", o.grad_clip != "zclip",
+             "ZClip, which is off: add --optim.grad-clip zclip"),
+            ("skip-window skip-sigma skip-patience", not o.skip_step,
+             "the skip rule, which is off: add --optim.skip-step"),
+            ("update-clip-window update-clip-sigma", o.update_clip != "norm",
+             "the update-norm clip, which is off: add --optim.update-clip norm"),
+            ("update-rms-threshold", o.update_clip != "rms",
+             "the update-RMS clip, which is off: add --optim.update-clip rms")):
+        section = "model" if names in ("attn-gate-form", "mup-base-width") else "optim"
+        given = [f"--{section}.{n}" for n in names.split() if f"--{section}.{n}" in flags]
+        if given and off:
+            raise UserError(f"{given[0]} is a setting of {what}")
     return cfg
 
 

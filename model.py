@@ -54,10 +54,9 @@ class ModelConfig:
     # "marin": 2 * sigmoid(h @ W_gate), W_gate zero at init (exactly 1: an insertion changes
     # nothing); "qwen": sigmoid, W_gate drawn as the other weights
     attn_gate_form: str = "marin"
-    # "standard" (every weight N(0, init_std), one LR) or "mup" (muP, the section after the
-    # table): this model against itself at `mup_base_width` (d_ff in proportion)
+    # "standard" (every weight N(0, init_std), one LR) or "mup" (muP, against mup_base_width)
     param: str = "standard"
-    mup_base_width: int = 32
+    mup_base_width: int = 32  # muP: the width at which this model is the standard one
 
     def __post_init__(self):
         def check(names, ok, what):  # as OptimConfig's: written so that NaN fails every test

@@ -47,13 +47,13 @@ class OptimConfig:
     # Muon: the hidden matrices on Muon, the rest on AdamW (Levanter's and K. Jordan's split)
     muon_momentum: float = 0.95  # Muon's Nesterov momentum (Keller Jordan's, Levanter's 0.95)
     lr: float = 3e-3  # peak learning rate (Marin 32B: 7e-4)
-    b1: float = 0.9
-    b2: float = 0.95
+    b1: float = 0.9  # Adam's beta1
+    b2: float = 0.95  # Adam's beta2 (Marin 32B: 0.95)
     # "batch": beta2 from the batch, clip(0.999 ** (tokens a step / 131,072), 0.95, 0.9999)
     # (the hero run's rule, marin #5951), not --optim.b2
     b2_rule: Literal["fixed", "batch"] = "fixed"
-    eps: float = 1e-8
-    weight_decay: float = 0.05  # Marin 32B
+    eps: float = 1e-8  # Adam's epsilon (Marin's later baselines: ~1e-15)
+    weight_decay: float = 0.05  # Marin 32B; none under adamh / muonh (the sphere fixes norms)
     # Marin tightened 1.0 -> 0.2 at ~56k; 0 turns clipping off; None: the optimizer's own
     # (1.0, as Marin's 32B and Levanter's AdamH; none under muonh, as the hero's MuonH)
     max_grad_norm: float | None = None

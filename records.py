@@ -1,14 +1,17 @@
 """What a run wrote, read back: metrics.jsonl (one record a step) and events.jsonl (the guard's
-actions), each through one reader that checks what it reads and refuses the rest in one line
-naming the file and the line, never a traceback.
+actions), and another trainer's log; each through one reader that checks what it reads and
+refuses the rest in one line naming the file and the line, never a traceback.
 
     m = read_metrics("runs/story")     # {"loss": [steps], "attn_logit_max": [steps, layers], ...}
     events = read_events("runs/story")
+    m = read_log("wandb_export.csv")   # {"step", "loss"} and the norms where the log has them
 """
 
+import csv
 import json
 import math
 import pathlib
+import re
 import sys
 
 import numpy as np
@@ -157,3 +160,94 @@ def event_problem(e) -> str | None:
 def acted(events: list[dict]) -> list[dict]:
     """The events that rolled the run back (the others only said why they did not)."""
     return [e for e in events if e["action"] in ("rollback", "escalate")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Other trainers' logs: a W&B or TensorBoard CSV export, JSON lines (Levanter's, anyone's), or
+# nanoGPT's printed lines ("iter 100: loss 2.3456, time 12.3ms, mfu 1.2%")
+
+# The names a column goes by, tried in order where no flag names it (TensorBoard's scalar
+# export calls the value "Value"; W&B's prefixes the run's name: "my-run - train/loss").
+NAMES = {"step": ("step", "_step", "global_step", "trainer/global_step", "iter", "iteration"),
+         "loss": ("loss", "train/loss", "train_loss", "loss/train", "lm_loss", "value"),
+         "grad_norm": ("grad_norm", "train/grad_norm", "optim/grad_norm", "grad/norm",
+                       "gradient_norm"),
+         "update_norm": ("update_norm", "optim/update_norm", "train/update_norm")}
+NANOGPT = re.compile(r"^iter (\d+): loss ([^,\s]+)")
+
+
+def column(header: list[str], key: str, named: str, path) -> str | None:
+    """The header entry for `key`: the one `named`, or the first that NAMES[key] matches (a
+    W&B export's "RUN - name"; never its __MIN / __MAX)."""
+    if named:
+        if named not in header:
+            raise UserError(f"{path} has no column {named!r} (its columns: "
+                            f"{', '.join(header)[:200]})")
+        return named
+    plain = {h.split(" - ")[-1].strip().lower(): h for h in header if "__" not in h}
+    return next((plain[n] for n in NAMES[key] if n in plain), None)
+
+
+def read_log(path: str | pathlib.Path, step_column: str = "", loss_column: str = "",
+             grad_norm_column: str = "") -> dict[str, np.ndarray]:
+    """Another trainer's log as the rules read it: {"step", "loss"} and "grad_norm" /
+    "update_norm" where the log has them, sorted by step (a step logged again starts a new
+    attempt, as read_metrics). CSV by its header, JSON lines by their keys, else nanoGPT's
+    printed lines; the columns as NAMES guesses them or as the flags name them."""
+    path = pathlib.Path(path)
+    lines = read_lines(path, "is it a log?") if path.is_file() else None
+    if lines is None:
+        raise UserError(f"{path}: no such file or run directory")
+    rows = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+    if not rows:
+        raise UserError(f"{path} is empty")
+    named = {"step": step_column, "loss": loss_column, "grad_norm": grad_norm_column}
+    if rows[0][1].lstrip().startswith("{"):  # JSON lines
+        records = []
+        for n, line in rows:
+            try:
+                records.append((n, json.loads(line)))
+            except json.JSONDecodeError:
+                raise UserError(f"{path}:{n} is not JSON") from None
+        header = list(dict.fromkeys(k for _, r in records if isinstance(r, dict) for k in r))
+        table = [(n, r) for n, r in records if isinstance(r, dict)]
+    elif NANOGPT.match(rows[0][1]) or any(NANOGPT.match(line) for _, line in rows):
+        header = ["iter", "loss"]
+        table = [(n, dict(zip(header, m.groups()))) for n, line in rows
+                 if (m := NANOGPT.match(line))]
+    else:  # CSV
+        reader = csv.reader(line for _, line in rows)
+        header = [h.strip() for h in next(reader)]
+        table = [(n, dict(zip(header, cells))) for (n, _), cells in zip(rows[1:], reader)]
+    cols = {k: column(header, k, named.get(k, ""), path) for k in NAMES}
+    for key in ("step", "loss"):
+        if cols[key] is None:
+            raise UserError(f"{path}: no {key} column found among {', '.join(header)[:200]}: "
+                            f"name it with --{key.replace('_', '-')}-column")
+    by_step, top = {}, -1
+    for n, row in table:
+        if row.get(cols["loss"]) in (None, ""):  # (W&B leaves a metric's other steps blank)
+            continue
+        values = {}
+        for key, col in cols.items():
+            cell = row.get(col) if col else None
+            if cell in (None, ""):
+                continue
+            try:
+                values[key] = float(cell)
+            except (TypeError, ValueError):
+                raise UserError(f"{path}:{n}: {col} is {cell!r}, not a number") from None
+        step = values["step"]
+        if step != int(step) or step < 0:
+            raise UserError(f"{path}:{n}: step {step:g} is not a step number")
+        if step <= top:  # another attempt from `step` on
+            by_step = {s: v for s, v in by_step.items() if s < step}
+        by_step[int(step)], top = values, step
+    if not by_step:
+        raise UserError(f"{path} has no row with a loss")
+    steps = sorted(by_step)
+    out = {"step": np.array(steps, np.float64), "eval_step": [], "eval_loss": []}
+    for key in ("loss", "grad_norm", "update_norm"):
+        if all(key in by_step[s] for s in steps):
+            out[key] = np.array([by_step[s][key] for s in steps], np.float64)
+    return out

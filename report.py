@@ -1,7 +1,8 @@
-"""Spike report and figures from run directories' metrics.jsonl.
+"""Spike report and figures from run directories' metrics.jsonl, or from any trainer's log.
 
     python report.py runs/story                              # the spike and level-shift tables
     python report.py runs/story runs/qk --plot figures/      # + PNG figures, the runs overlaid
+    python report.py wandb_export.csv nanogpt.log            # another trainer's log (records.py)
 
 Two kinds of event, each with its own rule:
 
@@ -32,7 +33,7 @@ import tyro
 
 from cli import UserError, command, parse
 from data import token_unit
-from records import acted, read_metrics
+from records import acted, read_log, read_metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,12 +379,21 @@ def save_figure(fig, path: pathlib.Path, dpi: int) -> pathlib.Path:
     return path
 
 
+def shift_spans(m: dict, shift: ShiftRule = ShiftRule()) -> list[tuple[int, int]]:
+    """(first step, last step) of each level shift find_shifts sees: from its start to where
+    the loss is back at its level before, or to the run's end."""
+    end = int(m["step"][-1])
+    return [(s.step, end if s.recovered_after is None else min(s.step + s.recovered_after, end))
+            for s in find_shifts(m, shift)]
+
+
 def plot(runs: dict[str, dict], out: pathlib.Path, rule: SpikeRule = SpikeRule(),
-         title: str = "", unit: str = "") -> list[pathlib.Path]:
-    """Two PNGs: an overview (loss with spikes marked, grad and update norm, the largest
-    attention logit, LR, and skipped steps where any was skipped; the runs overlaid) and the
-    max attention logit of every layer, one panel per run. `unit`: "byte" or "token" (what
-    the loss is per). Returns their paths."""
+         title: str = "", unit: str = "", shift: ShiftRule = ShiftRule()) -> list[pathlib.Path]:
+    """Two PNGs: an overview (loss with each level shift shaded and each spike marked, grad and
+    update norm, the largest attention logit, LR, and skipped steps where any was skipped; the
+    runs overlaid, a warm start's spliced source thin and dashed) and the max attention logit
+    of every layer, one panel per run. `unit`: "byte" or "token" (what the loss is per).
+    Returns their paths."""
     plt = pyplot()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -398,33 +408,43 @@ def plot(runs: dict[str, dict], out: pathlib.Path, rule: SpikeRule = SpikeRule()
         if "inserted_at" in m:  # a warm start, its source's steps before it spliced in
             warm = True
             axes[0].axvline(m["inserted_at"], color=color, lw=1.2, ls=":")
-        x = m["step"]
-        axes[0].plot(x, m["loss"], color=color, lw=0.6, alpha=0.8, label=f"{name}: train")
+        x, own = m["step"], m["step"] >= m.get("inserted_at", 0)
+        axes[0].plot(x[~own], m["loss"][~own], color=color, lw=0.5, ls="--", alpha=0.5)
+        axes[0].plot(x[own], m["loss"][own], color=color, lw=0.6, alpha=0.8,
+                     label=f"{name}: train")
+        for i, (a, b) in enumerate(shift_spans(m, shift)):
+            axes[0].axvspan(a, b, color=color, alpha=0.12, lw=0,
+                            label=f"{name}: level shift" if i == 0 else None)
         if len(m["eval_loss"]):
             axes[0].plot(m["eval_step"], m["eval_loss"], "o", color=color, ms=7, mec="black",
                          zorder=3, label=f"{name}: held out")
         spikes = find_spikes(m, rule)
         idx = [int(np.searchsorted(x, s.peak_step)) for s in spikes]
-        axes[0].plot(x[idx], np.minimum(m["loss"][idx], 1e3), "v", color=color, ms=9, mfc="none")
+        axes[0].plot(x[idx], np.minimum(m["loss"][idx], 1e3), "v", color=color, ms=9, mfc="none",
+                     label=f"{name}: spike" if idx else None)
         for e in m.get("guard_events", []):  # the guard's rollbacks: where the run went back to
             if "rollback_to" in e:
                 guarded = True
                 axes[0].axvline(e["rollback_to"], color=color, lw=0.8,
                                 ls="-." if e.get("escalation") else "--")
-        axes[1].semilogy(x, m["grad_norm"], color=color, lw=0.8)
+        if "grad_norm" in m:  # (another trainer's log may have the loss alone)
+            axes[1].semilogy(x, m["grad_norm"], color=color, lw=0.8)
         if "update_norm" in m:
             axes[1].semilogy(x, m["update_norm"] / np.nanmedian(m["update_norm"]),
                              color=color, lw=0.8, ls=":")
-        axes[2].semilogy(x, np.max(m["attn_logit_max"], axis=1), color=color, lw=1)
-        axes[3].plot(x, m["lr"], color=color, lw=1)
+        if "attn_logit_max" in m:
+            axes[2].semilogy(x, np.max(m["attn_logit_max"], axis=1), color=color, lw=1)
+        if "lr" in m:
+            axes[3].plot(x, m["lr"], color=color, lw=1)
         if skips and "skipped" in m:
             axes[4].plot(x, np.cumsum(m["skipped"]), color=color, lw=1)
     axes[0].set_ylabel(f"loss (nats/{unit})" if unit else "loss (nats)")
     axes[0].legend(fontsize=8, loc="upper right")
-    axes[0].set_title(title or "loss (triangles: detected spikes" + (
-        "; dashed: where the guard rolled back to, dash-dot: where it escalated" if guarded
-        else "") + ("; dotted: a warm start's insertion step, its source before it" if warm
-                    else "") + ")", fontsize=9)
+    axes[0].set_title(title or f"{', '.join(runs)}: loss (shaded: level shifts; triangles: "
+                      "spikes" + ("; dashed: where the guard rolled back to, dash-dot: where it "
+                                  "escalated" if guarded else "")
+                      + ("; dotted: a warm start's insertion, its source thin and dashed before "
+                         "it" if warm else "") + ")", fontsize=9)
     axes[1].set_ylabel("norm (log)")
     axes[1].set_title("grad norm before clipping (solid); update norm / its median (dotted)",
                       fontsize=9)
@@ -438,6 +458,9 @@ def plot(runs: dict[str, dict], out: pathlib.Path, rule: SpikeRule = SpikeRule()
         ax.grid(alpha=0.3)
     paths = [save_figure(fig, out / "overview.png", dpi=90)]
 
+    runs = {name: m for name, m in runs.items() if "attn_logit_max" in m}
+    if not runs:
+        return paths
     fig, axes = plt.subplots(1, len(runs), figsize=(4 * len(runs), 3.2), sharey=True,
                              squeeze=False)
     for ax, (name, m) in zip(axes[0], runs.items()):
@@ -477,8 +500,13 @@ def with_source(run: pathlib.Path, m: dict) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class ReportArgs:
-    runs: tyro.conf.Positional[tuple[str, ...]]  # run directories
+    # run directories, or logs: a CSV (a W&B or TensorBoard export), JSON lines, nanoGPT's
+    # printed lines
+    runs: tyro.conf.Positional[tuple[str, ...]]
     plot: str = ""  # write PNG figures into this folder
+    step_column: str = ""  # a log's step column, where its name is not one records.py knows
+    loss_column: str = ""  # ...its loss column
+    grad_norm_column: str = ""  # ...its gradient-norm column
     rule: SpikeRule = SpikeRule()
     shift: ShiftRule = ShiftRule()
 
@@ -489,14 +517,16 @@ def main(argv: list[str]) -> int:
     if not args.runs:
         raise UserError("give at least one run directory: report.py RUN [RUN ...]")
     paths = list(dict.fromkeys(args.runs))  # (a run named twice is reported once)
-    runs = {name: read_metrics(r) for name, r in zip(labels(paths), paths)}
+    columns = (args.step_column, args.loss_column, args.grad_norm_column)
+    runs = {name: read_metrics(r) if pathlib.Path(r).is_dir() else read_log(r, *columns)
+            for name, r in zip(labels(paths), paths)}
     for name, m in runs.items():
         print(event_report(m, name, args.rule, args.shift))
     if args.plot:
-        units = {run_unit(pathlib.Path(r)) for r in paths}
+        units = {run_unit(pathlib.Path(r)) if pathlib.Path(r).is_dir() else "" for r in paths}
         runs = {name: with_source(pathlib.Path(r), m) for (name, m), r in zip(runs.items(),
                                                                             paths)}
-        for path in plot(runs, pathlib.Path(args.plot), args.rule,
+        for path in plot(runs, pathlib.Path(args.plot), args.rule, shift=args.shift,
                          unit=units.pop() if len(units) == 1 else ""):
             print(f"wrote {path}")
     return 0

@@ -2157,6 +2157,29 @@ def test_qk_clip_switched_on_after_the_guard_inserted_qk_norm_is_one_line():
 # train.py: the CLI, bad input, a run that learns, stopping
 
 
+def test_every_flags_help_is_its_own(capsys):
+    """--help gives each flag the comment on its own field: no two flags share a help text (a
+    field without a comment took the comment above the field before it)."""
+    with pytest.raises(SystemExit):
+        CF.parse_config(["--help"])
+    helps: dict[str, list[str]] = {}
+    flag = None
+    for line in capsys.readouterr().out.splitlines():
+        body = line.strip("│ ").rstrip()
+        if body.startswith("--"):
+            flag, _, rest = body.partition("  ")
+            helps[flag.split()[0]] = [rest.strip()]
+        elif flag and body:
+            helps[flag.split()[0]].append(body)
+    texts = {f: " ".join(h).split("(default")[0].strip() for f, h in helps.items()}
+    seen: dict[str, str] = {}
+    for f, text in texts.items():
+        if text:
+            assert text not in seen, f"{f} and {seen.get(text)} share their help: {text}"
+            seen[text] = f
+    assert texts["--optim.eps"].startswith("Adam's epsilon") and len(seen) > 60
+
+
 def test_a_dry_run_gives_a_verdict_and_the_microbatches_that_would_fit(capsys):
     """--dry-run --device-gib G: the state and a microbatch's activations (the lower bound it
     prints) against G; where they do not fit, the fewest --microbatches that would."""
@@ -2164,7 +2187,9 @@ def test_a_dry_run_gives_a_verdict_and_the_microbatches_that_would_fit(capsys):
     cfg = CF.PRESETS["marin-32b"]
     state = C.per_device_bytes(cfg.model, CF.make_tx(cfg), dataclasses.asdict(cfg.mesh))[1]
     per_seq = DI.activation_bytes(cfg.model, 4096, 4)  # one sequence's activations a device
-    for gib, verdict in ((0, "none: --device-gib G"),
+    for gib, verdict in ((0, f"at least {(state + 32 * per_seq) / 2**30:.1f} GiB a device at "
+                             "--microbatches 1, by this lower bound; on 80 GiB (H100): "
+                             "--microbatches 16; on 141 GiB (H200): --microbatches"),
                          (80, "does not fit in 80 GiB a device; --microbatches 16 would"),
                          (16, "does not fit in 16 GiB a device, even one sequence at a time"),
                          (1000, "fits in 1000 GiB a device, by this lower bound")):
@@ -2257,6 +2282,17 @@ BAD_INPUTS = [
     ("train", ["--optim.b2", "nan"], "--optim.b2 must be in [0, 1)"),
     ("train", ["--optim.weight-decay", "-0.1"], "--optim.weight-decay must be >= 0"),
     ("train", ["--optim.weight-decay", "inf"], "--optim.weight-decay must be >= 0"),
+    # flags that would change nothing where they are given
+    ("train", ["--optim.adam-lr", "0.01"], "--optim.adam-lr is a setting of adamh and muonh"),
+    ("train", ["--optim.optimizer", "adamh", "--optim.weight-decay", "0.1"],
+     "--optim.optimizer adamh does not apply"),
+    ("train", ["--optim.b2-rule", "batch", "--optim.b2", "0.99"], "--optim.b2-rule batch"),
+    ("train", ["--optim.muon-momentum", "0.9"], "--optim.muon-momentum is a setting of Muon"),
+    ("train", ["--optim.zclip-z", "3"], "add --optim.grad-clip zclip"),
+    ("train", ["--optim.skip-sigma", "4"], "add --optim.skip-step"),
+    ("train", ["--optim.update-clip-sigma", "3"], "add --optim.update-clip norm"),
+    ("train", ["--optim.update-rms-threshold", "2"], "add --optim.update-clip rms"),
+    ("train", ["--optim.hyperball-radius", "init"], "add --optim.optimizer adamh or muonh"),
     ("train", ["--optim.skip-sigma", "0"], "--optim.skip-sigma must be a positive"),
     ("train", ["--optim.skip-sigma", "nan"], "--optim.skip-sigma must be a positive"),
     ("train", ["--optim.update-clip-sigma", "-2"], "--optim.update-clip-sigma must be a positive"),
@@ -2540,6 +2576,27 @@ def test_report_names_two_runs_of_one_folder_name_by_their_paths(straight_run, t
     out = capsys.readouterr().out
     assert "a/run" in out and "b/run" in out
     assert R.labels([str(tmp_path / "a" / "run"), str(tmp_path / "c")]) == ["run", "c"]
+
+
+def test_before_shift_picks_the_last_checkpoint_margin_steps_before_the_first_shift(
+        straight_run, tmp_path, capsys):
+    """warmstart.py --step before-shift: report.py's level-shift rule on the source's metrics
+    (planted: loss 2.0, then 3.0 from step 200 on), the last checkpoint (3 and 6 here) at least
+    --margin steps before the shift; none early enough, or no shift, is one line naming why."""
+    run = tmp_path / "src"
+    shutil.copytree(straight_run[0].run_dir, run)
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": t, "loss": 2.0 if t < 200 else 3.0}) + "\n" for t in range(400)))
+    first = R.find_shifts(RC.read_metrics(run))[0].step
+    assert W.before_shift(run, 100) == 6 and f"first level shift is at step {first}" in \
+        capsys.readouterr().out
+    assert W.before_shift(run, first - 5) == 3
+    with pytest.raises(UserError, match=f"at step {first}, and no checkpoint .* earliest: 3"):
+        W.before_shift(run, first - 2)
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": t, "loss": 2.0}) + "\n" for t in range(400)))
+    with pytest.raises(UserError, match="finds no shift"):
+        W.before_shift(run, 100)
 
 
 def test_the_warm_starts_summary_names_the_parameters_it_added(straight_run, tmp_path, capsys):
@@ -3481,7 +3538,7 @@ def test_a_warm_started_run_rewarms_and_learns(warm_started, tmp_path):
     cfg = dataclasses.replace(cfg, run_dir=str(tmp_path / "new"))  # as converted for the others
     tracked = dataclasses.replace(cfg, wandb=TR.WandbConfig(project="spikefix-tests",
                                                             mode="offline"))
-    last = T.train(tracked, devices=jax.devices())  # on the 4x2 mesh it was converted onto
+    last = T.train(tracked, devices=jax.devices()).last  # on the 4x2 mesh it was converted onto
     lines = [json.loads(x) for x in (pathlib.Path(cfg.run_dir) / "metrics.jsonl").open()]
     # W&B (offline) got what metrics.jsonl got, the config and the tag of a warm start
     records = wandb_records(pathlib.Path(cfg.run_dir))
@@ -3993,6 +4050,82 @@ def test_report_draws_figures_that_are_not_blank(tmp_path, capsys):
     llmc_shard(tmp_path / "shards" / "x_train_000000.bin", np.arange(100))
     (run / "config.json").write_text(json.dumps({"data": {"source": str(tmp_path / "shards")}}))
     assert R.run_unit(run) == "token"
+
+
+def test_the_figure_shades_each_level_shift_over_the_span_report_finds(tmp_path, monkeypatch):
+    """A planted level shift (loss 2.0, 3.0 over steps 300-449, 2.0 after) and one that lasts
+    to the end: each is one shaded band from report.py's start of it to where it is back (or to
+    the run's end), the span the rule finds, drawn in the run's colour."""
+    steps = np.arange(600)
+    planted = {"back": np.where((steps >= 300) & (steps < 450), 3.0, 2.0),
+               "stays": np.where(steps >= 400, 3.0, 2.0)}
+    drawn = []
+    real = matplotlib_axes().axvspan
+    monkeypatch.setattr(matplotlib_axes(), "axvspan",
+                        lambda ax, a, b, **kw: drawn.append((a, b)) or real(ax, a, b, **kw))
+    for name, loss in planted.items():
+        m = {"step": steps, "loss": loss, "grad_norm": np.ones(600), "lr": np.full(600, 0.1),
+             "attn_logit_max": np.ones((600, 1)), "eval_step": [], "eval_loss": []}
+        (shift,) = R.find_shifts(m)
+        end = 599 if shift.recovered_after is None else shift.step + shift.recovered_after
+        assert R.shift_spans(m) == [(shift.step, end)]
+        assert (name == "back") == (end < 599) and 300 <= shift.step <= 420
+        drawn.clear()
+        R.plot({name: m}, tmp_path / name)
+        assert drawn == [(shift.step, end)]
+
+
+def planted_log_loss(n: int = 600) -> np.ndarray:
+    """A loss with noise, a level shift from step 300 on, and a one-step spike at step 150."""
+    loss = 2.0 + 0.01 * np.random.default_rng(0).standard_normal(n)
+    loss[300:] += 1.0
+    loss[150] += 2.0
+    return loss
+
+
+def test_report_reads_other_trainers_logs_and_finds_the_planted_events(tmp_path, capsys):
+    """report.py FILE: a W&B CSV export (its run-name prefix, blank cells, __MIN / __MAX
+    columns), a TensorBoard scalar export, nanoGPT's printed lines and JSON lines all give the
+    planted level shift (from step 300) and the spike (150) the rules find in the loss itself;
+    columns it cannot guess are named by flags; the figures draw them."""
+    loss = planted_log_loss()
+    want = (R.find_shifts({"step": np.arange(600), "loss": loss})[0].step, 150)
+    rows = [(t, f"{x:.6f}") for t, x in enumerate(loss)]
+    logs = {
+        "wandb.csv": "Step,my-run - train/loss,my-run - train/loss__MIN,my-run - grad_norm\n"
+                     + "".join(f"{t},{x},{x},{1.0 if t % 2 else ''}\n" for t, x in rows),
+        "tb.csv": "Wall time,Step,Value\n" + "".join(f"1.0,{t},{x}\n" for t, x in rows),
+        "nanogpt.log": "step 0: train loss 5.5, val loss 5.5\n" + "".join(
+            f"iter {t}: loss {x}, time 12.34ms, mfu 1.23%\n" for t, x in rows),
+        "levanter.jsonl": "".join(json.dumps({"_step": t, "train/loss": float(x)}) + "\n"
+                                  for t, x in rows),
+        "custom.csv": "it,objective\n" + "".join(f"{t},{x}\n" for t, x in rows)}
+    for name, text in logs.items():
+        (tmp_path / name).write_text(text)
+        m = RC.read_log(tmp_path / name, *(("it", "objective") if name == "custom.csv" else ()))
+        np.testing.assert_allclose(m["loss"], np.round(loss, 6), err_msg=name)
+        assert R.find_shifts(m)[0].step == want[0] and want[1] in [
+            x.step for x in R.find_spikes(m)], name
+    assert R.main([str(tmp_path / "wandb.csv"), "--plot", str(tmp_path / "fig")]) == 0
+    out = capsys.readouterr().out
+    assert f"{want[0]:>7}" in out and "overview.png" in out
+    assert R.main([str(tmp_path / "custom.csv"), "--step-column", "it", "--loss-column",
+                   "objective"]) == 0
+    capsys.readouterr()
+    bad = {"empty.csv": ("", "is empty"),
+           "nostep.csv": ("when,loss\n1,2.0\n", "no step column found"),
+           "text.csv": ("step,loss\n0,2.0\n1,high\n", "text.csv:3: loss is 'high'"),
+           "half.csv": ("step,loss\n0.5,2.0\n", "step 0.5 is not a step number")}
+    for name, (text, says) in bad.items():
+        (tmp_path / name).write_text(text)
+        assert R.main([str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err and name in err, err
+
+
+def matplotlib_axes():
+    import matplotlib.axes
+    return matplotlib.axes.Axes
 
 
 def test_a_warm_started_runs_figure_splices_its_source_before_the_insertion(tmp_path):

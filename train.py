@@ -167,8 +167,14 @@ def dry_run(cfg: TrainConfig) -> None:
           f"bound, the backward's temporaries on top); with the state {need(k):.3f} GiB")
     gib = cfg.device_gib or (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0) / 2**30
     fits = [k for k in range(1, rows + 1) if rows % k == 0 and need(k) <= gib]
+
+    def fewest(size: float) -> str:  # the fewest microbatches that fit `size` GiB
+        k = next((k for k in range(1, rows + 1) if rows % k == 0 and need(k) <= size), None)
+        return f"--microbatches {k}" if k else "more devices"
     print("verdict             " + (
-        "none: --device-gib G (a device's memory) gives one" if not gib else
+        f"at least {need(1):.1f} GiB a device at --microbatches 1, by this lower bound; on 80 "
+        f"GiB (H100): {fewest(80)}; on 141 GiB (H200): {fewest(141)} (--device-gib G for "
+        "another)" if not gib else
         f"fits in {gib:g} GiB a device, by this lower bound" if cfg.microbatches in fits else
         f"does not fit in {gib:g} GiB a device; --microbatches {fits[0]} would "
         f"({need(fits[0]):.2f} GiB, by this lower bound)" if fits else

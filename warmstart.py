@@ -2,7 +2,7 @@
 
     python warmstart.py --from runs/story --to runs/rescued
     python warmstart.py --from runs/story --to runs/gated --insert attn-gate
-    python warmstart.py --from runs/story --to runs/rescued --step 2750 --rewarmup-steps 100
+    python warmstart.py --from runs/story --to runs/rescued --step before-shift --rewarmup-steps 100
     python warmstart.py --from runs/default --to runs/more --insert none --steps 800
 
 (the last: a decayed run trained on, the re-warmup alone, over --rewarmup-steps: 1,000 by
@@ -55,13 +55,18 @@ from config import (
 from distributed import setup_mesh
 from loop import put_held_out
 from optim import lr_schedule
+from records import read_metrics
+from report import find_shifts
 
 
 @dataclasses.dataclass(frozen=True)
 class WarmStartArgs:
     source: Annotated[str, tyro.conf.arg(name="from")]  # run directory to convert (read only)
     to: str  # new run directory (must not exist, or be empty; or hold this warm start: resumed)
-    step: int | None = None  # checkpoint to convert; default the latest
+    # the checkpoint to convert: a step, "before-shift" (the last checkpoint at least --margin
+    # steps before the first level shift report.py finds in the run), or the latest
+    step: int | Literal["before-shift"] | None = None
+    margin: int = 100  # --step before-shift: this many steps before the shift, at least
     rewarmup_steps: int = 1000  # Marin: 1,000
     rewarmup_from_ratio: float = 0.1  # Marin: from 0.1 x peak
     # what to insert: QK-Norm (Marin's rescue), the attention gate (Marin's form: exactly 1 at
@@ -170,6 +175,25 @@ def convert_checkpoint(src_run: pathlib.Path, step: int, src_cfg: TrainConfig,
 MARK = "warmstart-converting"
 
 
+def before_shift(run: pathlib.Path, margin: int) -> int:
+    """The last checkpoint of `run` at least `margin` steps before the first level shift that
+    report.py's rule finds in its metrics, said in one line; a run without a shift, or without
+    a checkpoint that early, is a UserError naming what it has."""
+    if margin < 0:
+        raise UserError(f"--margin must be >= 0, got {margin}")
+    if not (shifts := find_shifts(read_metrics(run))):
+        raise UserError(f"--from {run}: report.py's level-shift rule finds no shift in its "
+                        "metrics: give --step S")
+    first, saved = shifts[0].step, checkpoint.saved_steps(run)
+    if not (early := [s for s in saved if s <= first - margin]):
+        raise UserError(f"--from {run}: its first level shift is at step {first}, and no "
+                        f"checkpoint lies {margin} steps before it (the earliest: "
+                        f"{saved[0] if saved else 'none'}): give a smaller --margin or --step S")
+    print(f"{run}: the first level shift is at step {first}; warm-starting from the "
+          f"checkpoint at step {early[-1]}, {first - early[-1]} steps before it")
+    return early[-1]
+
+
 def converting(dst_run: pathlib.Path) -> pathlib.Path:
     return dst_run.with_name(dst_run.name + ".converting")
 
@@ -209,7 +233,8 @@ def convert(args: WarmStartArgs, overrides: list[str], devices=None) -> TrainCon
     """Write NEW_RUN with the converted checkpoint; print what happened. Returns its config.
     If NEW_RUN already holds this warm start, writes nothing (train.train resumes it)."""
     src_run, dst_run = pathlib.Path(args.source), pathlib.Path(args.to)
-    src_cfg, step = load_source(src_run, args.step, args.insert)
+    wanted = before_shift(src_run, args.margin) if args.step == "before-shift" else args.step
+    src_cfg, step = load_source(src_run, wanted, args.insert)
     cfg = target_config(src_cfg, args, step, overrides)
     if check_target(args, cfg, step):
         print(f"{dst_run} already holds this warm start (from {src_run} at step {step}): "

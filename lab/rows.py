@@ -498,7 +498,7 @@ HYPERBALL_ROWS += SWITCH_ROWS
 README_ROWS = (("story8", "baseline (no QK-Norm)"), ("story8-qk", "QK-Norm from scratch"),
                ("story8-marin-32b", "the 32B's levers: clip 0.2, skip-step, update clip"),
                ("story8-qk-inserted", "QK-Norm inserted mid-run"),
-               ("story8-adamh", "AdamH (weights on a sphere), no QK-Norm"),
+               ("story8-adamh", "AdamH at one untuned angle (0.07), no QK-Norm"),
                ("story8-b2-batch", "Adam's β2 from the batch (0.9999), no QK-Norm"))
 HARNESS_ROWS = {g.name: g for g in (*LEVERS, *SWEEP, *EVIDENCE_GROUPS, *WIDTH_ROWS, *ZLOSS_ROWS,
                                     *KNOB_ROWS, *BREAK_ROWS, *MUP_ROWS, *MACHINE_ROWS,
