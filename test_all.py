@@ -2267,7 +2267,7 @@ BAD_INPUTS = [
     ("warmstart", ["--from", "{run}", "--to", "{run}2"], "no config.json"),
     ("warmstart", ["--from", "{garbage_config}", "--to", "{run}"], "not a spikefix config"),
     ("report", [], "give at least one run directory"),
-    ("report", ["{run}"], "no metrics.jsonl"),
+    ("report", ["{run}"], "no such file or run directory"),
     ("report", ["{garbage_metrics}"], "is not a metrics record"),
     ("report", ["{empty_metrics}"], "is empty"),
     ("report", ["{garbage_metrics}", "--rule.window", "2"], "--window >= 4"),
@@ -2378,7 +2378,7 @@ BAD_INPUTS = [
     ("report", ["{garbage_metrics}", "--shift.hold", "0"], "the level-shift rule needs"),
     ("report", ["{garbage_metrics}", "--shift.margin", "1"], "the level-shift rule needs"),
     ("report", ["{lossless_metrics}"], "records without a loss"),
-    ("report", ["{empty}"], "no metrics.jsonl"),
+    ("report", ["{empty}"], "empty.txt is empty"),
     ("report", ["{lossless_metrics}", "--no-such-flag"], "--no-such-flag"),
     ("report", ["{bool_step_metrics}"], "metrics.jsonl:1: step True is not a step number"),
     ("report", ["{bad_utf8_metrics}"], "metrics.jsonl:2 is not UTF-8 text"),
@@ -4208,9 +4208,9 @@ def test_a_slow_rise_is_a_level_shift_that_the_one_step_rule_misses(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # The whole project: imports flow one way
 
-CORE = ["cli", "compat", "attention", "model", "optim", "data", "tracking", "distributed",
-        "checkpoint", "config", "hf", "export", "report", "guard", "guarded", "train",
-        "warmstart", "sample"]
+CORE = ["cli", "compat", "attention", "model", "hyperball", "optim", "data", "tracking",
+        "records", "distributed", "checkpoint", "config", "hf", "export", "report", "guard",
+        "loop", "guarded", "train", "warmstart", "sample"]
 LAB = ["lab.stats", "lab.rows", "lab.harness", "lab.probe", "lab.tables", "lab.breaks",
        "lab.figures", "lab.search", "lab.experiments", "lab.foresight", "lab.coord", "lab.spread",
        "lab.store", "bench.bench", "bench.peer"]
@@ -4233,8 +4233,9 @@ def project_imports(name: str) -> tuple[set, set]:
 
 def test_imports_flow_one_way():
     imports = {name: project_imports(name) for name in PROJECT}
-    for leaf in ("cli", "compat", "attention", "optim", "data", "tracking"):
+    for leaf in ("cli", "compat", "attention", "hyperball", "data", "tracking", "records"):
         assert imports[leaf][0] <= {"cli"} - {leaf}, leaf  # leaves know nothing of the rest
+    assert imports["optim"][0] <= {"hyperball"}  # the chain, and the bounded-weight pieces
     assert imports["model"][0] <= {"cli", "attention"}
     assert all(not inner for _, inner in imports.values()), imports  # no import in a function
     # the core stands alone: nothing at the top level imports from lab/ or bench/
@@ -4249,5 +4250,8 @@ def test_imports_flow_one_way():
     assert not [n for n in PROJECT if reaches(n, n)]  # no circle, however long
     assert "train" not in imports["report"][0]
     # the guard decides from the event rules alone (cli: the one way to write a file whole)
-    assert imports["guard"][0] <= {"report", "cli"}
+    assert imports["guard"][0] <= {"report", "records", "cli"}
+    # the loop sits below both of its callers: neither hands it to the other
+    assert "loop" in imports["train"][0] & imports["guarded"][0]
+    assert not {"train", "guarded"} & imports["loop"][0]
     assert imports["hf"][0] <= {"cli", "model"} and "export" not in imports["train"][0]

@@ -13,6 +13,9 @@
                                          # the same, both sides on one pinned core
     python -m bench.bench --accelerator  # one GPU: a 0.9B model at seq 4,096 in bf16 (~2 min);
                                          # writes bench/results-gpu.json
+    python -m bench.bench --allocator    # glibc's malloc kept from unmapping the step's buffers,
+                                         # against the default (~6 minutes); writes
+                                         # bench/results-allocator.json
 
 Run it alone: other processes on the CPU moved these figures by 11-40%. bench.py measures how
 much CPU time other processes took during the run (/proc/stat) and warns when it was more than
@@ -78,7 +81,7 @@ from data import DataConfig
 from distributed import MeshConfig, make_mesh
 from lab import harness as S
 from lab.rows import STORY
-from lab.store import machine
+from lab.store import cpu_label, machine
 
 SEQ_LENS = (128, 256, 512, 1024)
 TOKENS_PER_STEP = 4096
@@ -196,7 +199,12 @@ def worker() -> None:
             timer = variant_timer(spec, pathlib.Path(tmp) / "a")
             reply({"first_step_s": timer.first_step_s})
             for line in sys.stdin:
-                reply(timer(int(line)))
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                seconds = timer(int(line))
+                reply(seconds if not spec.get("faults") else {
+                    "step_s": seconds, "peak_rss_mb": resource.getrusage(
+                        resource.RUSAGE_SELF).ru_maxrss / 1024, "faults_per_step":
+                    (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / int(line)})
             return
         # "pair": two variants side by side in this one process, alternately first
         a, b = (variant_timer(s, pathlib.Path(tmp) / n) for s, n in zip(spec["pair"], "ab"))
@@ -259,10 +267,11 @@ def variant_timer(spec: dict, tmp: pathlib.Path):
 
 
 class Worker:
-    def __init__(self, name: str, spec: dict):
+    def __init__(self, name: str, spec: dict, env: dict | None = None):
         self.name = name
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.bench", "--worker"], text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env={**os.environ, **(env or {})})
         self.proc.stdin.write(json.dumps(spec) + "\n")
         self.proc.stdin.flush()
 
@@ -479,6 +488,7 @@ class BenchArgs:
     against: str | None = None  # with --harness: an older checkout whose harness to time too
     accelerator: bool = False  # one GPU instead: a 0.9B model at seq 4,096 in bfloat16
     torch: bool = False  # train.py's step beside eager PyTorch's (bench/peer.py), ~3 minutes
+    allocator: bool = False  # glibc malloc's settings against its default, ~6 minutes
     # the results file (default bench/results.json; bench/results-story.json with --story,
     # bench/results-gpu.json with --accelerator)
     out: str | None = None
@@ -499,6 +509,8 @@ def main(argv: list[str]) -> int:
         return story_main(args)
     if args.torch:
         return torch_main(args)
+    if args.allocator:
+        return allocator_main(args)
     cfg = PRESETS["cpu"]
     load = os.getloadavg()[0]
     wall, busy, own = time.perf_counter(), cpu_busy_seconds(), own_cpu_seconds()
@@ -906,6 +918,60 @@ def torch_main(args) -> int:
             for kind in kinds), flush=True)
     other_cpu(r, wall, busy, own)
     write_json(r, args.out or "bench/results-torch.json")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# bench.py --allocator: XLA:CPU allocates each step's buffers with glibc's malloc, which maps
+# buffers this large afresh and unmaps them when freed, so every step faults its pages in again.
+# The settings that keep them in the heap, each set before the process starts (GLIBC_TUNABLES).
+
+ALLOCATORS = {
+    "default": {},
+    "heap-kept": {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold="
+                                    "4294967295:glibc.malloc.arena_max=1"},
+    "huge-pages": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
+}
+ALLOCATOR_PRESETS = {"cpu": 3, "story": 20, "cpu-long": 2}  # steps a turn
+
+
+def allocator_main(args) -> int:
+    """Train.py's step (reading each step's metrics) under each allocator setting, each in its
+    own process, taking turns: seconds a step, page faults a step and the process's peak
+    resident memory, medians over the rounds, each setting's ratio to the default per round."""
+    wall, busy, own = time.perf_counter(), cpu_busy_seconds(), own_cpu_seconds()
+    r = {"machine": machine(), "rounds": args.rounds, "allocators": ALLOCATORS}
+    for preset, n in ALLOCATOR_PRESETS.items():
+        cfg = PRESETS[preset]
+        print(f"{preset}: compiling the step in {len(ALLOCATORS)} processes", flush=True)
+        workers = [Worker(name, step_spec(cfg, read=True) | {"faults": True}, env)
+                   for name, env in ALLOCATORS.items()]
+        for w in workers:
+            w.wait_ready()
+        rounds = []
+        try:
+            for i in range(args.rounds):  # the order turns every round
+                order = workers[i % len(workers):] + workers[:i % len(workers)]
+                rounds.append({w.name: w.time(n) for w in order})
+        finally:
+            for w in workers:
+                w.close()
+        r[preset] = {}
+        for name in ALLOCATORS:
+            ratio = [x["default"]["step_s"] / x[name]["step_s"] for x in rounds]
+            r[preset][name] = {
+                "step_s": statistics.median(x[name]["step_s"] for x in rounds),
+                "faults_per_step": statistics.median(x[name]["faults_per_step"] for x in rounds),
+                "peak_rss_mb": max(x[name]["peak_rss_mb"] for x in rounds),
+                "speedup": statistics.median(ratio), "speedup_range": [min(ratio), max(ratio)]}
+            f = r[preset][name]
+            print(f"  {name:<10} {f['step_s'] * 1e3:7.1f} ms a step, {f['speedup']:.3f}x the "
+                  f"default (rounds {min(ratio):.3f}-{max(ratio):.3f}), "
+                  f"{f['faults_per_step']:,.0f} faults a step, peak {f['peak_rss_mb']:,.0f} MB",
+                  flush=True)
+    print(f"on {cpu_label(r['machine'])}")
+    other_cpu(r, wall, busy, own)
+    write_json(r, args.out or "bench/results-allocator.json")
     return 0
 
 

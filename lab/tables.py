@@ -318,7 +318,8 @@ def probe_markdown(record: dict) -> str:
 def teach_markdown(record: dict, groups=tuple(g.name for g in TEACH8_ROWS)) -> str:
     """The `teach` preset's rows (the README's recipe) from the record: per row the seeds with a
     level shift anywhere in the run and each seed's first, held-out (the mean of the last
-    1,000 steps' evals) and the max attention logit, each mean with its 95% interval."""
+    1,000 steps' evals, from the float32 curves as stored) and the max attention logit, each
+    mean with its 95% interval."""
     lines = ["| row | seeds with a level shift | first shift, per seed | held-out (nats/byte) | "
              "max attn logit |", "|---" * 5 + "|"]
     for name in groups:
@@ -328,8 +329,10 @@ def teach_markdown(record: dict, groups=tuple(g.name for g in TEACH8_ROWS)) -> s
         ms = sorted(g["members"], key=lambda m: m["seed"])
         first = [min(m["shift_steps"], default=None) for m in ms]
         cells = []
-        for v, fmt in (([held_out(m["eval_step"], m["eval_loss"], m["steps"]) for m in ms],
-                        "{:.3f}"), ([m["max_attn_logit"] for m in ms], "{:,.0f}")):
+        curves = [read_curve(name, f"seed{m['seed']}") for m in ms]  # float32, as stored
+        for v, fmt in (([held_out(c["eval_step"], c["eval_loss"], m["steps"])
+                         for c, m in zip(curves, ms)], "{:.3f}"),
+                       ([m["max_attn_logit"] for m in ms], "{:,.0f}")):
             lo, hi = bootstrap(v)
             cells.append(f"{fmt.format(np.mean(v))} [{fmt.format(lo)}, {fmt.format(hi)}]")
         lines.append(f"| {name} | {sum(f is not None for f in first)} of {len(ms)} | "

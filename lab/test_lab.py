@@ -158,12 +158,21 @@ def test_a_row_declared_for_another_cpu_model_is_refused_before_it_trains(monkey
     for name, of in (("teach8-epyc", RW.TEACH8), ("teach8-epyc-qk", RW.twin(RW.TEACH8))):
         row = RW.HARNESS_ROWS[name]
         assert row.cpu == "AMD EPYC" and dataclasses.replace(row, name=of.name, cpu="") == of
-    monkeypatch.setattr(EX, "machine", lambda: {"cpu": "Intel(R) Xeon(R) Processor"})
+    xeon = {"cpu": "Intel(R) Xeon(R) Processor", "cpu_family": "6", "cpu_model": "143",
+            "cpu_stepping": "8"}
+    monkeypatch.setattr(EX, "machine", lambda: xeon)
     monkeypatch.setattr(EX.harness, "run", lambda *a, **k: pytest.fail("it trained"))
-    assert EX.main(["teach8-epyc", "--cores", "1"]) == 2
-    assert capsys.readouterr().err.strip().splitlines() == [
-        "error: teach8-epyc is declared for an AMD EPYC; this machine is Intel(R) Xeon(R) "
-        "Processor: run it there"]
+    monkeypatch.setattr(EX.harness, "keep_lr", lambda *a, **k: pytest.fail("it trained"))
+    for argv in (["teach8-epyc", "--cores", "1"], ["teach8-epyc@0.12"]):  # ROW@LR too
+        assert EX.main(argv) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"error: {argv[0]} is declared for an AMD EPYC; this machine is Intel(R) Xeon(R) "
+            "Processor (family 6, model 143, stepping 8): run it there"]
+    # a row declared for one CPU exactly refuses another of the same name
+    epyc = {"cpu": "AMD EPYC", "cpu_family": "25", "cpu_model": "17", "cpu_stepping": "1"}
+    monkeypatch.setattr(EX, "machine", lambda: epyc)
+    assert RW.HARNESS_ROWS["story8-switch-src"].cpu == RW.SWITCH_CPU
+    assert EX.main(["story8-switch-src"]) == 2 and "model 17" in capsys.readouterr().err
 
 
 def test_each_experiment_row_names_its_baseline_source_and_figure(tmp_path):
