@@ -216,17 +216,21 @@ def train(cfg: TrainConfig, devices=None) -> Outcome:
         with StopRequested(run_dir) as stop:
             run = Run(run_dir, mesh, mngr, data, open_log(cfg, run_dir, first), stop,
                       lambda cfg, tx: (make_train_step(cfg, tx), make_eval_step(cfg)))
-            if cfg.guard.on:  # the guard consumes the loop (guarded.py)
-                why, last = guarded.drive(run, cfg, tx, state, start.user_cfg, start.events)
-            else:
-                why, last = "", {}
-                for info in run_loop(run, cfg, tx, state):
-                    last = info.record
-                    if too_many_nonfinite(run, cfg):
-                        why = "non-finite"
-                        break
-                why = why or ended(run)
+            # the loop's consumer: the guard (guarded.py), or the plain one
+            why, last = guarded.drive(run, cfg, tx, state, start.user_cfg, start.events) \
+                if cfg.guard.on else train_plainly(run, cfg, tx, state)
             return finish(run, why, last, first)
+
+
+def train_plainly(run: Run, cfg: TrainConfig, tx, state) -> tuple[str, dict]:
+    """The loop without the guard: to its end, or until too many non-finite steps in a row.
+    Returns (why it stopped, the last step's record)."""
+    last = {}
+    for info in run_loop(run, cfg, tx, state):
+        last = info.record
+        if too_many_nonfinite(run, cfg):
+            return "non-finite", last
+    return ended(run), last
 
 
 class Start(NamedTuple):

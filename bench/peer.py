@@ -10,6 +10,8 @@ clipped to the same global norm, the LR of optim.lr_schedule at each step. torch
 pip install /path/to/torch-*+cpu*.whl, or requirements-check.txt.
 """
 
+from __future__ import annotations  # (torch's types in the annotations: torch is optional)
+
 import math
 import time
 

@@ -461,11 +461,11 @@ HYPERBALL_ROWS += [dataclasses.replace(WIDTH32, name=f"width32-adamh{'-qk' * qk}
 # pair, beside Adam and Adam with QK-Norm at their own best LR (8 seeds, below).
 TUNE_ANGLES = (1e-2, 3e-2, 3e-3, 1e-1)
 ADAM_BEST_LR = 1e-3
-TUNE_ROWS = [dataclasses.replace(STORY, name=f"d64-adamh{'-qk' * qk}-a{a:g}", qk_norm=qk,
-                                 lrs=(a,), optim=(("optimizer", "adamh"),
-                                                  ("adam_lr", ADAM_BEST_LR)),
-                                 compare_with="" if qk else f"d64-adamh-qk-a{a:g}")
-             for a in TUNE_ANGLES for qk in (False, True)]
+TUNE_ROWS = [dataclasses.replace(STORY, name=f"d64-{opt}{'-qk' * qk}-a{a:g}", qk_norm=qk,
+                                 lrs=(a,), optim=(("optimizer", opt), ("adam_lr", ADAM_BEST_LR)),
+                                 compare_with="" if qk else f"d64-{opt}-qk-a{a:g}")
+             for opt in ("adamh", "muonh") for a in TUNE_ANGLES for qk in (False, True)]
+# (MuonH, the hero run's, the same way: its angles after AdamH's, by the same rule.)
 TUNE_ROWS += [g for base in [dataclasses.replace(EVIDENCE, name="story8-adam-best",
                                                  lrs=(ADAM_BEST_LR,), snapshot_every=0,
                                                  compare_with="story8-adam-best-qk", label="")]

@@ -350,24 +350,26 @@ def tune_markdown(record: dict) -> str:
     best angle by the declared rule (the lowest mean held-out) among those recorded."""
     lines = ["| QK-Norm | angle | Adam LR, other leaves | seeds shifting | held-out: mean "
              "(range) |", "|---" * 5 + "|"]
-    best: dict[bool, tuple[float, str]] = {}
+    best: dict[tuple, tuple[float, str]] = {}
     for g in TUNE_ROWS:
         if g.name not in record["groups"]:
             continue
         ms = record["groups"][g.name]["members"]
         h = [held_out(m["eval_step"], m["eval_loss"], m["steps"]) for m in ms]
         optim = dict(g.optim)
-        angle = f"{g.lrs[0]:g}" if optim.get("optimizer") == "adamh" else "Adam"
+        hyper = optim.get("optimizer") in ("adamh", "muonh")
+        angle = f"{g.lrs[0]:g} ({optim['optimizer']})" if hyper else "Adam"
         lines.append(f"| {'yes' if g.qk_norm else 'no'} | {angle} | "
                      f"{optim.get('adam_lr', g.lrs[0]):g} | "
                      f"{sum(bool(m['shift_steps']) for m in ms)} of {len(ms)} | "
                      f"{np.mean(h):.3f} ({min(h):.3f}-{max(h):.3f}) |")
-        if optim.get("optimizer") == "adamh" and np.mean(h) < best.get(g.qk_norm, (np.inf,))[0]:
-            best[g.qk_norm] = (float(np.mean(h)), angle)
+        arm = (optim.get("optimizer"), g.qk_norm)
+        if hyper and np.mean(h) < best.get(arm, (np.inf,))[0]:
+            best[arm] = (float(np.mean(h)), angle)
     cpus = sorted({cpu_label(record["groups"][g.name]["machine"]) for g in TUNE_ROWS
                    if g.name in record["groups"]})
     said = [f"{'with' if qk else 'without'} QK-Norm {a} ({h:.3f})"
-            for qk, (h, a) in sorted(best.items())]
+            for (_, qk), (h, a) in sorted(best.items())]
     return ("\n".join(lines) + f"\n\nBest angle so far, by the rule: {'; '.join(said) or 'none'}."
             f" Ran on: {'; '.join(cpus) or 'none yet'}.")
 
