@@ -514,9 +514,7 @@ def main(argv: list[str]) -> int:
     cfg = PRESETS["cpu"]
     load = os.getloadavg()[0]
     wall, busy, own = time.perf_counter(), cpu_busy_seconds(), own_cpu_seconds()
-    r = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                     "cpu": machine()["cpu"], "jax": jax.__version__,
-                     "devices": str(jax.devices())},
+    r = {"machine": machine() | {"cpus": os.cpu_count(), "devices": str(jax.devices())},
          "preset": "cpu", "tokens_per_step": TOKENS_PER_STEP, "rounds": args.rounds}
     if load > 0.5:
         print(f"note: load average {load:.1f} at the start: let other work finish first")
@@ -835,8 +833,7 @@ def story_main(args) -> int:
                              log=lambda _: None)["seconds"] for k in (50, 350)]
     harness_s = (seconds[1] - seconds[0]) / (300 * len(STORY.seeds))
     other = (cpu_busy_seconds() - busy) - (own_cpu_seconds() - own)
-    r = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                     "cpu": machine()["cpu"], "jax": jax.__version__},
+    r = {"machine": machine() | {"cpus": os.cpu_count()},
          "preset": "story", "steps_per_turn": n, "rounds_s": rounds,
          "step_s": {name: statistics.median(t) for name, t in rounds.items()},
          "train_loop_step_s": loop_s, "harness_member_step_s": harness_s,
@@ -875,10 +872,9 @@ def torch_main(args) -> int:
               "--index-url https://download.pytorch.org/whl/cpu)")
         return 0
     wall, busy, own = time.perf_counter(), cpu_busy_seconds(), own_cpu_seconds()
-    r = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                     "cpu": machine()["cpu"], "affinity": machine()["affinity"],
-                     "jax": jax.__version__, "torch": peer.torch.__version__,
-                     "torch_threads": peer.torch.get_num_threads()}, "rounds": args.rounds}
+    r = {"machine": machine() | {"cpus": os.cpu_count(), "torch": peer.torch.__version__,
+                                 "torch_threads": peer.torch.get_num_threads()},
+         "rounds": args.rounds}
     for preset, n in TORCH_STEPS.items():
         cfg = PRESETS[preset]
         tokens = cfg.data.batch_size * cfg.data.seq_len
@@ -1021,7 +1017,7 @@ def harness_main(args) -> int:
     if load > 0.5:
         print(f"note: load average {load:.1f} at the start: let other work finish first")
     busy, own, wall = cpu_busy_seconds(), own_cpu_seconds(), time.perf_counter()
-    r = {"machine": {"cpu": machine()["cpu"], "cpus": os.cpu_count(), "jax": jax.__version__},
+    r = {"machine": machine() | {"cpus": os.cpu_count()},
          "member_step_s": {}}
     for members, scan in ((3, False), (8, False), (16, False), (8, True)):
         key = f"{members} members, {'scanned' if scan else 'unrolled'}"
