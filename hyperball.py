@@ -1,6 +1,7 @@
 """Bounded weights, what Marin runs after the 32B: Hyperball's step (AdamH, MuonH: each matrix
 kept on the sphere of its initial norm), and the Muon directions it and --optim.optimizer muon
-take. Each piece is an optax transformation; optim.make_optimizer chains them.
+take. Each piece is an optax transformation; optim.make_optimizer chains them. "The hero run"
+is Marin's large MoE run after the 32B (marin #8435); its optimizer is the MuonH here.
 
     direction = hero_muon_with_adam(groups, matrix_dims, 0.95, b1, b2, eps)  # MuonH's
     step = hyperball_at_step(schedule, sphere_mask, adam_lr / lr)           # in place of -lr * u
