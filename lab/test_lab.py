@@ -152,6 +152,26 @@ def test_the_teach_preset_is_the_teach8_row_that_was_measured():
     assert preset.checkpoint_every == 100 and preset.keep_checkpoints * 100 >= preset.steps
 
 
+def test_a_row_records_its_cpu_exactly_and_a_rerun_names_what_differs():
+    """Two CPUs sold under one name give other bits: the record keeps /proc/cpuinfo's family,
+    model, stepping and the ISA flags XLA:CPU can use; same_bits names each field of a rerun's
+    machine that differs (a field an older record lacks, as not recorded)."""
+    cpuinfo = ("processor\t: 0\nmodel name\t: AMD EPYC\ncpu family\t: 25\nmodel\t\t: 17\n"
+               "stepping\t: 1\nflags\t\t: fpu sse4_2 avx avx2 fma avx512f avx512bw ht\n\n"
+               "processor\t: 1\nmodel name\t: AMD EPYC\n")
+    got = STO.cpu_identity(cpuinfo)
+    assert got == {"cpu": "AMD EPYC", "cpu_family": "25", "cpu_model": "17",
+                   "cpu_stepping": "1", "isa": ["avx", "avx2", "avx512bw", "avx512f", "fma",
+                                                "sse4_2"]}
+    assert STO.cpu_label(got) == "AMD EPYC (family 25, model 17, stepping 1)"
+    now = got | {"affinity": [0], "jax": "0.10.2"}
+    assert STO.same_bits(now, now) == []
+    older = {"cpu": "AMD EPYC", "affinity": [0], "jax": "0.10.2"}  # (before the exact record)
+    assert STO.same_bits(older, now) == ["cpu_family (not recorded)", "cpu_model (not recorded)",
+                                         "cpu_stepping (not recorded)", "isa (not recorded)"]
+    assert STO.same_bits(now | {"cpu_model": "1"}, now) == ["cpu_model"]
+
+
 def test_a_row_declared_for_another_cpu_model_is_refused_before_it_trains(monkeypatch, capsys):
     """teach8-epyc and its twin are teach8's runs again (the same settings, seeds and rules) on
     an AMD EPYC; on another CPU model the command says so in one line and trains nothing."""
