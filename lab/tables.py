@@ -368,10 +368,9 @@ def tune_markdown(record: dict) -> str:
             best[arm] = (float(np.mean(h)), angle)
     cpus = sorted({cpu_label(record["groups"][g.name]["machine"]) for g in TUNE_ROWS
                    if g.name in record["groups"]})
-    said = [f"{'with' if qk else 'without'} QK-Norm {a} ({h:.3f})"
-            for (_, qk), (h, a) in sorted(best.items())]
-    return ("\n".join(lines) + f"\n\nBest angle so far, by the rule: {'; '.join(said) or 'none'}."
-            f" Ran on: {'; '.join(cpus) or 'none yet'}.")
+    said = [f"{a}{' with QK-Norm' * qk} ({h:.3f})" for (_, qk), (h, a) in sorted(best.items())]
+    return ("\n".join(lines) + f"\n\nBest so far: {'; '.join(said) or 'none'}. Ran on: "
+            f"{'; '.join(cpus) or 'none yet'}.")
 
 
 def evidence_json(rows: list[dict]) -> list[dict]:
