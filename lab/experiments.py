@@ -372,7 +372,7 @@ def caught_up(m: dict, seed: int, start: int, tol: float = 0.05) -> int | None:
 
 def collect(seeds: list[int]) -> tuple[dict, dict]:
     """(rows, metrics): rows[name] = per-seed summaries and their spread; metrics[name][seed]
-    = the run's metrics arrays (report.read_metrics)."""
+    = the run's metrics arrays (records.read_metrics)."""
     rows, metrics = {}, {}
     for name in NAMES:
         runs = {s: run_dir(name, s) for s in seeds if finished(run_dir(name, s))}
