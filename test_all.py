@@ -2809,7 +2809,8 @@ def test_a_checkpoint_write_that_fails_ends_the_run_in_one_line(tmp_path):
     run = tmp_path / "run"
     proc = start_tiny_run(run, "--checkpoint-every", "2", "--keep-checkpoints", "100")
     try:
-        wait_for_step(proc, 5)  # checkpoints 2 and 4 written
+        # step 7 is read before step 8 is saved, and by then the save of 6 has waited for 4's
+        wait_for_step(proc, 7)
         # The disk fills up: no file may grow past 100 kB (a checkpoint needs more).
         resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (100_000, 100_000))
         t0 = time.monotonic()
