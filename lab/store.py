@@ -36,11 +36,13 @@ SEED_CURVES = pathlib.Path("results/curves")  # since: GROUP/seedN.npz, one file
 # attention logit's max over the layers (the max-logit columns read only the maximum), skipped
 # steps (the z-loss rows also the output logits' max and log Z) -- and the held-out evals. The
 # groups early warning reads per layer (lab/foresight.py) keep every series, the per-layer ones
-# in float16.
+# in float16; the switch's source also keeps Adam's relative step per layer (|dW| / |W|, in
+# float16), from which its matched angle is taken.
 CURVE_KEYS = ("loss", "update_norm", "attn_logit_max", "skipped", "eval_step", "eval_loss",
               "first_step", *PROBE_KEYS)
 OUTPUT_LOGIT_KEYS = ("out_logit_max", "log_z")  # kept by the z-loss rows, whose table reads them
 FULL_CURVES = ("story8", "story8-qk", "story8-signals", "story8-signals-qk")
+RATIO_KEYS = {"story8-switch-src": ("update_ratio_per_layer",)}
 ZLOSS_NAMES = {g.name for g in ZLOSS_ROWS}
 CURVE_F32 = ("loss", "grad_norm", "update_norm", "attn_logit_max", "skipped", "out_logit_max",
              "log_z", "eval_step", "eval_loss", "first_step", *PROBE_KEYS)
@@ -135,7 +137,8 @@ def curve_arrays(group: str, a: dict) -> dict:
         return {k: v if k in CURVE_F32 else np.asarray(v, np.float16) for k, v in a.items()
                 if k not in ("seconds", "chunk_seconds")}
     keys = CURVE_KEYS + (OUTPUT_LOGIT_KEYS if group in ZLOSS_NAMES else ())
-    return {k: layer_max(a[k]) if k == "attn_logit_max" else a[k] for k in keys if k in a}
+    kept = {k: layer_max(a[k]) if k == "attn_logit_max" else a[k] for k in keys if k in a}
+    return kept | {k: np.asarray(a[k], np.float16) for k in RATIO_KEYS.get(group, ()) if k in a}
 
 
 def layer_max(logit: np.ndarray) -> np.ndarray:
