@@ -99,6 +99,7 @@ from lab.tables import (
     probe_markdown,
     readme_summary,
     s1_markdown,
+    switch_markdown,
     teach_markdown,
     tune_markdown,
     update_readme,
@@ -537,6 +538,7 @@ def harness_tables(args: Args) -> None:
         update_readme(probe_markdown(record), part="probes")
         update_readme(teach_markdown(record), part="teach")
         update_readme(tune_markdown(record), part="adamh-tune")
+        update_readme(switch_markdown(record), part="switch")
         print(f"wrote the 8-seed rows in {RESULTS}/results.json ('evidence')")
     if args.breaks and args.plot:
         update_readme(lever_breaks_top(record), pathlib.Path("README.md"), "lever-breaks")

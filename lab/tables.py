@@ -20,6 +20,7 @@ from lab.rows import (
     LEVERS,
     README_ROWS,
     STORY,
+    SWITCH_ROWS,
     TEACH8_ROWS,
     TUNE_ROWS,
     Group,
@@ -203,10 +204,8 @@ def judged(g: Group, seed: int, base: str, twin: str, curve: dict | None = None,
 
 def evidence_rows(record: dict, base: str = "story8", twin: str = "story8-qk",
                   s1: int | None = None, only=None) -> list[dict]:
-    """Per evidence group run so far (`only`: these names): per seed judged() (`s1`: the parting
-    step fixed at that step); the rates per 1,000 steps (NaN for a seed with no step left after the
-    parting step), the share of seeds with a shift not back by the end, held-out and max logit,
-    each with its mean and bootstrap 95% interval over seeds."""
+    """Per evidence group run so far (`only`: these names): group_row of its seeds, each
+    judged() after the parting step (`s1`: fixed at that step instead)."""
     if base not in record["groups"] or twin not in record["groups"]:
         return []
     rows = []
@@ -214,39 +213,98 @@ def evidence_rows(record: dict, base: str = "story8", twin: str = "story8-qk",
         if g.name not in record["groups"] or (only is not None and g.name not in only):
             continue
         seeds = sorted(m["seed"] for m in record["groups"][g.name]["members"])
-        per = [judged(g, s, base, twin, s1=s1) for s in seeds]
-        k = np.array([1000 / p["steps"] if p["steps"] else np.nan for p in per])
-        stats = {
-            "level_shift_episodes": k * [sum(e.level_shift for e in p["episodes"]) for p in per],
-            "episodes": k * [len(p["episodes"]) for p in per],
-            "instability_episodes": k * [sum(not e.hard_batch for e in p["episodes"])
-                                         for p in per],
-            "with_shift": [float(any(e.level_shift for e in p["episodes"])) for p in per],
-            "hard_batches": [sum(bool(e.hard_batch) for e in p["episodes"]) for p in per],
-            "unrecovered": [float(any(not ok for _, ok in p["recoveries"])) for p in per],
-            "unrecovered_twin": [float(any(not ok for _, ok in p["recoveries_twin"]))
-                                 for p in per],
-            "eval": [p["eval"] for p in per],
-            "eval_last": [p["eval_last"] for p in per],
-            "max_logit": [p["max_logit"] for p in per],
-            "old_spikes": [p["old_spikes"] for p in per],
-            "old_shifts": [p["old_shifts"] for p in per],
-            "old_never": [p["old_never"] for p in per]}
-        members = sorted(record["groups"][g.name]["members"], key=lambda m: m["seed"])
-        guarded = {k: [m[k] for m in members] for k in ("guard_actions", "recomputed_steps",
-                                                          "escalated_at", "data_records")
-                   if k in members[0]}
-        guarded |= {"run_steps": g.steps} if guarded else {}
-        rows.append({"group": g.name, "seeds": seeds, "per_seed": per, "guard": guarded,
-                     "cpu": group_cpu(record["groups"][g.name]) or "?",
-                     **{key: {"values": [float(x) for x in v], "mean": float(np.mean(v)),
-                              "ci": bootstrap(v)} for key, v in stats.items()},
-                     "survival": survival([r for p in per for r in p["recoveries"]]),
-                     "survival_twin": survival([r for p in per for r in p["recoveries_twin"]]),
-                     **{f"censored{k}": sorted(n for p in per for n, ok in p[f"recoveries{k}"]
-                                               if not ok) for k in ("", "_twin")}})
+        rows.append(group_row(g, record, [judged(g, s, base, twin, s1=s1) for s in seeds]))
     return rows
 
+
+def group_row(g: Group, record: dict, per: list[dict]) -> dict:
+    """One table row from its members judged (judged()): the rates per 1,000 steps (NaN for a
+    seed with no step left), the share of seeds with a shift not back by the end, held-out and
+    max logit, each with its mean and bootstrap 95% interval over seeds."""
+    seeds = [p["seed"] for p in per]
+    k = np.array([1000 / p["steps"] if p["steps"] else np.nan for p in per])
+    stats = {
+        "level_shift_episodes": k * [sum(e.level_shift for e in p["episodes"]) for p in per],
+        "episodes": k * [len(p["episodes"]) for p in per],
+        "instability_episodes": k * [sum(not e.hard_batch for e in p["episodes"])
+                                     for p in per],
+        "with_shift": [float(any(e.level_shift for e in p["episodes"])) for p in per],
+        "hard_batches": [sum(bool(e.hard_batch) for e in p["episodes"]) for p in per],
+        "unrecovered": [float(any(not ok for _, ok in p["recoveries"])) for p in per],
+        "unrecovered_twin": [float(any(not ok for _, ok in p["recoveries_twin"]))
+                             for p in per],
+        "eval": [p["eval"] for p in per],
+        "eval_last": [p["eval_last"] for p in per],
+        "max_logit": [p["max_logit"] for p in per],
+        "old_spikes": [p["old_spikes"] for p in per],
+        "old_shifts": [p["old_shifts"] for p in per],
+        "old_never": [p["old_never"] for p in per]}
+    members = sorted((m for m in record["groups"][g.name]["members"] if m["seed"] in seeds),
+                     key=lambda m: m["seed"])
+    guarded = {k: [m[k] for m in members] for k in ("guard_actions", "recomputed_steps",
+                                                      "escalated_at", "data_records")
+               if k in members[0]}
+    guarded |= {"run_steps": g.steps} if guarded else {}
+    return {"group": g.name, "seeds": seeds, "per_seed": per, "guard": guarded,
+            "cpu": group_cpu(record["groups"][g.name]) or "?",
+            **{key: {"values": [float(x) for x in v], "mean": float(np.mean(v)),
+                     "ci": bootstrap(v)} for key, v in stats.items()},
+            "survival": survival([r for p in per for r in p["recoveries"]]),
+            "survival_twin": survival([r for p in per for r in p["recoveries_twin"]]),
+            **{f"censored{k}": sorted(n for p in per for n, ok in p[f"recoveries{k}"]
+                                      if not ok) for k in ("", "_twin")}}
+
+
+
+def switch_rows(record: dict) -> list[dict]:
+    """The switch's 2 x 3, its control and QK-Norm inserted (lab/rows.py, SWITCH_ROWS), and the
+    source itself: each a group_row of the seeds that fork (fork_steps), every event counted
+    from that seed's fork step, the hard-batch control from the source's QK-Norm twin."""
+    from lab.harness import fork_steps  # (the harness imports JAX)
+    src, twin = SWITCH_ROWS[0].name, SWITCH_ROWS[1].name
+    if src not in record["groups"] or twin not in record["groups"]:
+        return []
+    starts = fork_steps(SWITCH_ROWS[2])
+    return [group_row(g, record, [judged(g, s, src, twin, s1=at) for s, at in starts.items()])
+            for g in (SWITCH_ROWS[0], *SWITCH_ROWS[2:]) if g.name in record["groups"]]
+
+
+def switch_label(g: Group) -> str:
+    """A switch row in words: what changed at the fork."""
+    optim = dict(g.optim)
+    if optim.get("optimizer") == "adamh":
+        radius = {"switch": "norm at the switch", "init": "initial norm"}[
+            optim.get("hyperball_radius", "switch")]
+        matched = " (matched)" if g.name.endswith("matched") else ""
+        return f"AdamH {g.lrs[0]:.2g}{matched}, radius: {radius}"
+    if g.fork:
+        return "QK-Norm inserted" if g.qk_norm else "Adam, the re-warmup alone (control)"
+    return "nothing changed (the source)"
+
+
+def switch_markdown(record: dict) -> str:
+    """The switch table: per row the seeds with a level shift after the fork, the level-shift
+    episodes per 1,000 steps after it, held-out and the max attention logit after the fork (mean
+    [95% bootstrap interval] over the seeds that fork), the CPU it ran on."""
+    rows = switch_rows(record)
+    if not rows:
+        return "the switch's source and its QK-Norm twin have not both run yet"
+
+    def cell(r, key, fmt):
+        lo, hi = r[key]["ci"]
+        return f"{fmt.format(r[key]['mean'])} [{fmt.format(lo)}, {fmt.format(hi)}]"
+    by = {g.name: g for g in SWITCH_ROWS}
+    lines = ["| from the fork step | seeds with a level shift | level-shift episodes / 1k steps | "
+             "held-out | max attn logit |", "|---" * 5 + "|"]
+    for r in rows:
+        shifted = round(sum(r["with_shift"]["values"]))
+        rate = cell(r, "level_shift_episodes", "{:.2f}") if shifted else "0"
+        lines.append(f"| {switch_label(by[r['group']])} | {shifted} of {len(r['seeds'])} | "
+                     f"{rate} | {cell(r, 'eval', '{:.3f}')} | {cell(r, 'max_logit', '{:,.0f}')} |")
+    steps = ", ".join(f"{p['from']}" for p in rows[0]["per_seed"])
+    cpus = sorted({r["cpu"] for r in rows})
+    return ("\n".join(lines) + f"\n\nFork steps (seeds {', '.join(map(str, rows[0]['seeds']))}): "
+            f"{steps}. Ran on: {'; '.join(cpus)}.")
 
 def s1_markdown(record: dict, groups=("story8", "story8-qk", "story8-marin-32b",
                                        "story8-rerun")) -> str:

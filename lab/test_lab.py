@@ -656,6 +656,28 @@ def test_the_levers_count_events_after_the_baselines_s1_of_each_seed():
     assert "| clip-0.2 | 1, 0 | 0, 0 | 1.700 ± 0.000 |" in TB.levers_markdown(record)
 
 
+def test_the_switch_table_counts_each_row_from_its_seeds_fork_step(monkeypatch):
+    """switch_rows on stored rows of the same shape (the Intel Xeon's source, AdamH switched on
+    and QK-Norm inserted at its forks), two of its seeds: every row, the source's included, is
+    judged on the seeds that fork and counts events from that seed's fork step, so the source's
+    row is what the forks would have been without the change."""
+    record = STO.load()
+    rows = [H.REGISTRY[n] for n in ("story8-xeon", "story8-qk", "story8-xeon-adamh-switched",
+                                    "story8-xeon-qk-inserted")]
+    starts = {0: 2750, 3: 2500}  # (fork_steps' for these two seeds)
+    monkeypatch.setattr(TB, "SWITCH_ROWS", rows)
+    monkeypatch.setattr(H, "fork_steps", lambda g: starts)
+    got = TB.switch_rows(record)
+    assert [r["group"] for r in got] == ["story8-xeon", *[g.name for g in rows[2:]]]
+    for r in got:
+        assert {p["seed"]: p["from"] for p in r["per_seed"]} == starts
+        assert all(e.start >= p["from"] for p in r["per_seed"] for e in p["episodes"])
+    for p in got[0]["per_seed"]:  # the source's max logit: from its fork step on, not before
+        c = STO.seed_curve("story8-xeon", p["seed"])
+        assert p["max_logit"] == float(np.nanmax(c["attn_logit_max"][starts[p["seed"]]:]))
+    assert [round(sum(r["with_shift"]["values"])) for r in got] == [2, 1, 0]
+
+
 def test_the_evidence_counts_episodes_by_the_fixed_rules_from_the_stored_curves(
         tmp_path, monkeypatch):
     """Planted curves for 3 seeds: after the parting step (500) a hard batch at 520 (the QK-Norm
@@ -960,9 +982,9 @@ def test_the_readmes_links_into_the_results_land_on_a_section():
 def test_the_stored_tables_are_recomputed_from_the_stored_curves_digit_for_digit():
     """results/README.md's harness tables and the README's six evidence rows, recomputed from
     results/search.json and the curves as stored (each kept to what curve_arrays keeps), equal
-    the text printed there; results/ stays under 60 MB. (The whole evidence table takes a
-    minute: python -m lab.experiments --evidence; the early-warning table: python -m
-    lab.foresight.)"""
+    the text printed there; results/ stays under 60 MB. (The whole evidence table and the
+    switch's take a minute: python -m lab.experiments --evidence; the early-warning table:
+    python -m lab.foresight.)"""
     root = pathlib.Path(__file__).parent.parent
     record = STO.load()
     six = TB.evidence_rows(record, only={name for name, _ in RW.README_ROWS})
