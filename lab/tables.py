@@ -14,6 +14,7 @@ import numpy as np
 
 from cli import UserError, strict_json, written_whole
 from lab import store
+from lab.harness import fork_steps
 from lab.rows import (
     EVIDENCE_GROUPS,
     EVIDENCE_SEEDS,
@@ -260,7 +261,6 @@ def switch_rows(record: dict) -> list[dict]:
     """The switch's 2 x 3, its control and QK-Norm inserted (lab/rows.py, SWITCH_ROWS), and the
     source itself: each a group_row of the seeds that fork (fork_steps), every event counted
     from that seed's fork step, the hard-batch control from the source's QK-Norm twin."""
-    from lab.harness import fork_steps  # (the harness imports JAX)
     src, twin = SWITCH_ROWS[0].name, SWITCH_ROWS[1].name
     if src not in record["groups"] or twin not in record["groups"]:
         return []

@@ -666,7 +666,7 @@ def test_the_switch_table_counts_each_row_from_its_seeds_fork_step(monkeypatch):
                                     "story8-xeon-qk-inserted")]
     starts = {0: 2750, 3: 2500}  # (fork_steps' for these two seeds)
     monkeypatch.setattr(TB, "SWITCH_ROWS", rows)
-    monkeypatch.setattr(H, "fork_steps", lambda g: starts)
+    monkeypatch.setattr(TB, "fork_steps", lambda g: starts)
     got = TB.switch_rows(record)
     assert [r["group"] for r in got] == ["story8-xeon", *[g.name for g in rows[2:]]]
     for r in got:
