@@ -16,6 +16,7 @@ from cli import UserError, strict_json, written_whole
 from lab import store
 from lab.harness import fork_steps
 from lab.rows import (
+    ADAM_BEST_LR,
     EVIDENCE_GROUPS,
     EVIDENCE_SEEDS,
     LEVERS,
@@ -427,8 +428,16 @@ def tune_markdown(record: dict) -> str:
     cpus = sorted({cpu_label(record["groups"][g.name]["machine"]) for g in TUNE_ROWS
                    if g.name in record["groups"]})
     said = [f"{a}{' with QK-Norm' * qk} ({h:.3f})" for (_, qk), (h, a) in sorted(best.items())]
+    adam = []  # Adam at its best LR, the LR sweep's rows (the same regime, 3 seeds)
+    for name in (f"story-lr{ADAM_BEST_LR:g}", f"story-lr{ADAM_BEST_LR:g}-qk"):
+        if name in record["groups"]:
+            ms = record["groups"][name]["members"]
+            h = [held_out(m["eval_step"], m["eval_loss"], m["steps"]) for m in ms]
+            adam.append(f"{'with QK-Norm ' * name.endswith('-qk')}{np.mean(h):.3f} "
+                        f"({min(h):.3f}-{max(h):.3f})")
     return ("\n".join(lines) + f"\n\nBest so far: {'; '.join(said) or 'none'}. Ran on: "
-            f"{'; '.join(cpus) or 'none yet'}.")
+            f"{'; '.join(cpus) or 'none yet'}. Adam at its best LR ({ADAM_BEST_LR:g}; the LR "
+            f"sweep's `story-lr{ADAM_BEST_LR:g}` rows, 3 seeds): {', '.join(adam) or 'not run'}.")
 
 
 def evidence_json(rows: list[dict]) -> list[dict]:
