@@ -508,9 +508,8 @@ def evidence_markdown(rows: list[dict]) -> str:
                      + "; ".join(f"{', '.join(v)} = {k}" for k, v in same.items()) + ".")
     shifted = [r for r in kept if any(p["recoveries_twin"] for p in r["per_seed"])]
     ks = [x["k"] for x in rows[0]["survival_twin"]]
-    lines += ["\nRecovery: the share of level shifts not back k steps later (back: the smoothed "
-              "gap to the QK-Norm twin within max(0.05 nats, its noise) of the gap before the "
-              "shift; in brackets the shifts still followed):\n",
+    lines += ["\nRecovery: the share of level shifts not back (the glossary's) k steps later; "
+              "in brackets the shifts still followed:\n",
               "| row | shifts; censored (their follow-up, steps) | "
               + " | ".join(f"k = {k}" for k in ks) + " |", "|---" * (2 + len(ks)) + "|"]
 
@@ -529,13 +528,13 @@ def evidence_markdown(rows: list[dict]) -> str:
             share = [x / gd["run_steps"] for x in gd["recomputed_steps"]]
             at = [s for s in gd["escalated_at"] if s >= 0]
             lines.append(
-                f"\n{name(r)}: {np.mean(gd['guard_actions']):.1f} guard actions per seed "
-                f"({min(gd['guard_actions'])}-{max(gd['guard_actions'])}), steps computed again "
-                f"{min(share):.1%}-{max(share):.1%} of the run's (mean {np.mean(share):.1%}); "
-                f"escalated to {ESCALATED_TO[guarded[r['group']]['escalate']]} "
+                f"\n{name(r)}: {np.mean(gd['guard_actions']):.1f} guard actions a seed "
+                f"({min(gd['guard_actions'])}-{max(gd['guard_actions'])}); "
+                f"{np.mean(share):.1%} of the steps computed again ({min(share):.1%}-"
+                f"{max(share):.1%}); escalated to {ESCALATED_TO[guarded[r['group']]['escalate']]} "
                 f"in {len(at)} of {len(gd['escalated_at'])} seeds"
-                + (f" (from steps {', '.join(f'{s:,}' for s in sorted(at))})" if at else "")
-                + (f"; level shifts taken as the data's: {sum(gd['data_records'])}"
+                + (f", from steps {min(at):,}-{max(at):,}" if at else "")
+                + (f"; shifts taken as the data's: {sum(gd['data_records'])}"
                    if "data_records" in gd else "") + ".")
     cpus = sorted({r["cpu"] for r in rows})
     lines.append(f"\nRan on: {'; '.join(cpus)}. Intervals: 95% percentile bootstrap over seeds "
