@@ -503,6 +503,13 @@ SWITCH_ROWS += [dataclasses.replace(SWITCH_SRC, name=name, fork=SWITCH_SRC.name,
                       for radius in ("switch", "init") for angle in (0.07, 0.01)],
                     ("story8-switch-control", (5e-2,), REWARM, False),
                     ("story8-switch-qk-inserted", (5e-2,), REWARM, True)]]
+# The matched angle, declared once the source was stored: lab/harness.py's adam_relative_step
+# on its curves (0.0235: Adam's steps were 0.021-0.027 of each layer's norm), to two digits.
+MATCHED_ANGLE = 0.024
+SWITCH_ROWS += [dataclasses.replace(SWITCH_SRC, name=f"story8-switch-adamh-{radius}-matched",
+                                    fork=SWITCH_SRC.name, snapshot_every=0, lrs=(MATCHED_ANGLE,),
+                                    optim=ADAMH + REWARM + (("hyperball_radius", radius),))
+                for radius in ("switch", "init")]
 HYPERBALL_ROWS += SWITCH_ROWS
 # The README's six rows of the evidence (lab/tables.py:readme_summary), in its order.
 README_ROWS = (("story8", "baseline (no QK-Norm)"), ("story8-qk", "QK-Norm from scratch"),

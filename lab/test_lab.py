@@ -656,6 +656,14 @@ def test_the_levers_count_events_after_the_baselines_s1_of_each_seed():
     assert "| clip-0.2 | 1, 0 | 0, 0 | 1.700 ± 0.000 |" in TB.levers_markdown(record)
 
 
+def test_the_matched_angle_is_adams_relative_step_before_the_forks():
+    """The switch's matched angle (lab/rows.py), declared once its source was stored, is the
+    declared rule's figure on the stored curves to two digits, and both matched rows run it."""
+    assert RW.MATCHED_ANGLE == float(f"{H.adam_relative_step(RW.SWITCH_ROWS[2]):.2g}")
+    matched = [g for g in RW.SWITCH_ROWS if g.name.endswith("-matched")]
+    assert len(matched) == 2 and {g.lrs for g in matched} == {(RW.MATCHED_ANGLE,)}
+
+
 def test_the_switch_table_counts_each_row_from_its_seeds_fork_step(monkeypatch):
     """switch_rows on stored rows of the same shape (the Intel Xeon's source, AdamH switched on
     and QK-Norm inserted at its forks), two of its seeds: every row, the source's included, is
