@@ -259,15 +259,15 @@ def group_row(g: Group, record: dict, per: list[dict]) -> dict:
 
 
 def switch_rows(record: dict) -> list[dict]:
-    """The switch's 2 x 3, its control and QK-Norm inserted (lab/rows.py, SWITCH_ROWS), and the
-    source itself: each a group_row of the seeds that fork (fork_steps), every event counted
-    from that seed's fork step, the hard-batch control from the source's QK-Norm twin."""
+    """The switch's 2 x 3, its control and QK-Norm inserted (lab/rows.py, SWITCH_ROWS), the
+    source itself and its QK-Norm twin: each a group_row of the seeds that fork (fork_steps),
+    every event counted from that seed's fork step, the hard-batch control from the twin."""
     src, twin = SWITCH_ROWS[0].name, SWITCH_ROWS[1].name
     if src not in record["groups"] or twin not in record["groups"]:
         return []
     starts = fork_steps(SWITCH_ROWS[2])
     return [group_row(g, record, [judged(g, s, src, twin, s1=at) for s, at in starts.items()])
-            for g in (SWITCH_ROWS[0], *SWITCH_ROWS[2:]) if g.name in record["groups"]]
+            for g in SWITCH_ROWS if g.name in record["groups"]]
 
 
 def switch_label(g: Group) -> str:
@@ -280,7 +280,7 @@ def switch_label(g: Group) -> str:
         return f"AdamH {g.lrs[0]:.2g}{matched}, radius: {radius}"
     if g.fork:
         return "QK-Norm inserted" if g.qk_norm else "Adam, the re-warmup alone (control)"
-    return "nothing changed (the source)"
+    return "QK-Norm from scratch (the twin)" if g.qk_norm else "nothing changed (the source)"
 
 
 def switch_markdown(record: dict) -> str:
@@ -303,7 +303,7 @@ def switch_markdown(record: dict) -> str:
         lines.append(f"| {switch_label(by[r['group']])} | {shifted} of {len(r['seeds'])} | "
                      f"{rate} | {cell(r, 'eval', '{:.3f}')} | {cell(r, 'max_logit', '{:,.0f}')} |")
     steps = ", ".join(f"{p['from']}" for p in rows[0]["per_seed"])
-    cpus = sorted({r["cpu"] for r in rows})
+    cpus = sorted({cpu_label(record["groups"][r["group"]]["machine"]) for r in rows})
     return ("\n".join(lines) + f"\n\nFork steps (seeds {', '.join(map(str, rows[0]['seeds']))}): "
             f"{steps}. Ran on: {'; '.join(cpus)}.")
 

@@ -676,14 +676,14 @@ def test_the_switch_table_counts_each_row_from_its_seeds_fork_step(monkeypatch):
     monkeypatch.setattr(TB, "SWITCH_ROWS", rows)
     monkeypatch.setattr(TB, "fork_steps", lambda g: starts)
     got = TB.switch_rows(record)
-    assert [r["group"] for r in got] == ["story8-xeon", *[g.name for g in rows[2:]]]
+    assert [r["group"] for r in got] == [g.name for g in rows]
     for r in got:
         assert {p["seed"]: p["from"] for p in r["per_seed"]} == starts
         assert all(e.start >= p["from"] for p in r["per_seed"] for e in p["episodes"])
     for p in got[0]["per_seed"]:  # the source's max logit: from its fork step on, not before
         c = STO.seed_curve("story8-xeon", p["seed"])
         assert p["max_logit"] == float(np.nanmax(c["attn_logit_max"][starts[p["seed"]]:]))
-    assert [round(sum(r["with_shift"]["values"])) for r in got] == [2, 1, 0]
+    assert [round(sum(r["with_shift"]["values"])) for r in got] == [2, 0, 1, 0]
 
 
 def test_the_evidence_counts_episodes_by_the_fixed_rules_from_the_stored_curves(
