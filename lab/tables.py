@@ -284,9 +284,10 @@ def switch_label(g: Group) -> str:
 
 
 def switch_markdown(record: dict) -> str:
-    """The switch table: per row the seeds with a level shift after the fork, the level-shift
-    episodes per 1,000 steps after it, held-out and the max attention logit after the fork (mean
-    [95% bootstrap interval] over the seeds that fork), the CPU it ran on."""
+    """The switch table: per row the seeds with a level shift after the fork (and how many steps
+    after it their first one starts), the level-shift episodes per 1,000 steps after it,
+    held-out and the max attention logit after the fork (mean [95% bootstrap interval] over the
+    seeds that fork), the CPU it ran on."""
     rows = switch_rows(record)
     if not rows:
         return "the switch's source and its QK-Norm twin have not both run yet"
@@ -300,8 +301,13 @@ def switch_markdown(record: dict) -> str:
     for r in rows:
         shifted = round(sum(r["with_shift"]["values"]))
         rate = cell(r, "level_shift_episodes", "{:.2f}") if shifted else "0"
-        lines.append(f"| {switch_label(by[r['group']])} | {shifted} of {len(r['seeds'])} | "
-                     f"{rate} | {cell(r, 'eval', '{:.3f}')} | {cell(r, 'max_logit', '{:,.0f}')} |")
+        first = [min(e.start for e in p["episodes"] if e.level_shift) - p["from"]
+                 for p in r["per_seed"] if any(e.level_shift for e in p["episodes"])]
+        span = sorted({min(first), max(first)}) if first else []
+        when = f" ({'-'.join(map(str, span))} steps in)" if first else ""
+        lines.append(f"| {switch_label(by[r['group']])} | {shifted} of {len(r['seeds'])}{when} "
+                     f"| {rate} | {cell(r, 'eval', '{:.3f}')} | "
+                     f"{cell(r, 'max_logit', '{:,.0f}')} |")
     steps = ", ".join(f"{p['from']}" for p in rows[0]["per_seed"])
     cpus = sorted({cpu_label(record["groups"][r["group"]]["machine"]) for r in rows})
     return ("\n".join(lines) + f"\n\nFork steps (seeds {', '.join(map(str, rows[0]['seeds']))}): "
