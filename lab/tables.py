@@ -274,20 +274,18 @@ def switch_label(g: Group) -> str:
     """A switch row in words: what changed at the fork."""
     optim = dict(g.optim)
     if optim.get("optimizer") == "adamh":
-        radius = {"switch": "norm at the switch", "init": "initial norm"}[
-            optim.get("hyperball_radius", "switch")]
+        radius = {"switch": "grown", "init": "initial"}[optim.get("hyperball_radius", "switch")]
         matched = " (matched)" if g.name.endswith("matched") else ""
-        return f"AdamH {g.lrs[0]:.2g}{matched}, radius: {radius}"
+        return f"AdamH {g.lrs[0]:.2g}{matched}, {radius} norms"
     if g.fork:
-        return "QK-Norm inserted" if g.qk_norm else "Adam, the re-warmup alone (control)"
-    return "QK-Norm from scratch (the twin)" if g.qk_norm else "nothing changed (the source)"
+        return "QK-Norm inserted" if g.qk_norm else "Adam, re-warmup alone (control)"
+    return "QK-Norm from scratch (twin)" if g.qk_norm else "the source, unchanged"
 
 
 def switch_markdown(record: dict) -> str:
     """The switch table: per row the seeds with a level shift after the fork (and how many steps
-    after it their first one starts), the level-shift episodes per 1,000 steps after it,
-    held-out and the max attention logit after the fork (mean [95% bootstrap interval] over the
-    seeds that fork), the CPU it ran on."""
+    after it their first one starts), held-out and the max attention logit after the fork (mean
+    [95% bootstrap interval] over the seeds that fork), the CPU it ran on."""
     rows = switch_rows(record)
     if not rows:
         return "the switch's source and its QK-Norm twin have not both run yet"
@@ -296,17 +294,16 @@ def switch_markdown(record: dict) -> str:
         lo, hi = r[key]["ci"]
         return f"{fmt.format(r[key]['mean'])} [{fmt.format(lo)}, {fmt.format(hi)}]"
     by = {g.name: g for g in SWITCH_ROWS}
-    lines = ["| from the fork step | seeds with a level shift | level-shift episodes / 1k steps | "
-             "held-out | max attn logit |", "|---" * 5 + "|"]
+    lines = ["| from the fork step | seeds with a level shift | held-out | max attn logit |",
+             "|---" * 4 + "|"]
     for r in rows:
         shifted = round(sum(r["with_shift"]["values"]))
-        rate = cell(r, "level_shift_episodes", "{:.2f}") if shifted else "0"
         first = [min(e.start for e in p["episodes"] if e.level_shift) - p["from"]
                  for p in r["per_seed"] if any(e.level_shift for e in p["episodes"])]
         span = sorted({min(first), max(first)}) if first else []
         when = f" ({'-'.join(map(str, span))} steps in)" if first else ""
         lines.append(f"| {switch_label(by[r['group']])} | {shifted} of {len(r['seeds'])}{when} "
-                     f"| {rate} | {cell(r, 'eval', '{:.3f}')} | "
+                     f"| {cell(r, 'eval', '{:.3f}')} | "
                      f"{cell(r, 'max_logit', '{:,.0f}')} |")
     steps = ", ".join(f"{p['from']}" for p in rows[0]["per_seed"])
     cpus = sorted({cpu_label(record["groups"][r["group"]]["machine"]) for r in rows})
