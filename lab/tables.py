@@ -284,8 +284,8 @@ def switch_label(g: Group) -> str:
 
 def switch_markdown(record: dict) -> str:
     """The switch table: per row the seeds with a level shift after the fork (and how many steps
-    after it their first one starts), held-out and the max attention logit after the fork (mean
-    [95% bootstrap interval] over the seeds that fork), the CPU it ran on."""
+    after it their first one starts), held-out (mean [95% bootstrap interval] over the seeds
+    that fork) and the max attention logit after the fork (the mean), the CPU it ran on."""
     rows = switch_rows(record)
     if not rows:
         return "the switch's source and its QK-Norm twin have not both run yet"
@@ -294,7 +294,7 @@ def switch_markdown(record: dict) -> str:
         lo, hi = r[key]["ci"]
         return f"{fmt.format(r[key]['mean'])} [{fmt.format(lo)}, {fmt.format(hi)}]"
     by = {g.name: g for g in SWITCH_ROWS}
-    lines = ["| from the fork step | seeds with a level shift | held-out | max attn logit |",
+    lines = ["| from the fork step | seeds with a level shift | held-out | max attn logit, mean |",
              "|---" * 4 + "|"]
     for r in rows:
         shifted = round(sum(r["with_shift"]["values"]))
@@ -304,7 +304,7 @@ def switch_markdown(record: dict) -> str:
         when = f" ({'-'.join(map(str, span))} steps in)" if first else ""
         lines.append(f"| {switch_label(by[r['group']])} | {shifted} of {len(r['seeds'])}{when} "
                      f"| {cell(r, 'eval', '{:.3f}')} | "
-                     f"{cell(r, 'max_logit', '{:,.0f}')} |")
+                     f"{r['max_logit']['mean']:,.0f} |")
     steps = ", ".join(f"{p['from']}" for p in rows[0]["per_seed"])
     cpus = sorted({cpu_label(record["groups"][r["group"]]["machine"]) for r in rows})
     return ("\n".join(lines) + f"\n\nFork steps (seeds {', '.join(map(str, rows[0]['seeds']))}): "
