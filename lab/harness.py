@@ -402,7 +402,6 @@ def fork_steps(g: Group) -> dict[int, int]:
     return out
 
 
-
 def adam_relative_step(g: Group) -> float:
     """The angle a step that matches Adam's own step at g's forks: the source's relative step
     per layer (update_ratio_per_layer, |dW| / |W| of each layer's leaves) averaged over the
@@ -410,6 +409,7 @@ def adam_relative_step(g: Group) -> float:
     the source's stored curves (lab/store.py keeps that series for it)."""
     return float(np.mean([np.mean(read_curve(g.fork, f"seed{s}")["update_ratio_per_layer"][
         at - 100:at].astype(np.float64)) for s, at in fork_steps(g).items()]))
+
 
 def member(stacked, i: int):
     """Member i of a stacked (vmapped) pytree."""
