@@ -219,6 +219,11 @@ def evidence_rows(record: dict, base: str = "story8", twin: str = "story8-qk",
     return rows
 
 
+def cell(r: dict, key: str, fmt: str = "{:.2f}") -> str:
+    """A row's figure as its mean [95% interval]."""
+    lo, hi = r[key]["ci"]
+    return f"{fmt.format(r[key]['mean'])} [{fmt.format(lo)}, {fmt.format(hi)}]"
+
 def group_row(g: Group, record: dict, per: list[dict]) -> dict:
     """One table row from its members judged (judged()): the rates per 1,000 steps (NaN for a
     seed with no step left), the share of seeds with a shift not back by the end, held-out and
@@ -290,9 +295,6 @@ def switch_markdown(record: dict) -> str:
     if not rows:
         return "the switch's source and its QK-Norm twin have not both run yet"
 
-    def cell(r, key, fmt):
-        lo, hi = r[key]["ci"]
-        return f"{fmt.format(r[key]['mean'])} [{fmt.format(lo)}, {fmt.format(hi)}]"
     by = {g.name: g for g in SWITCH_ROWS}
     lines = ["| from the fork step | seeds with a level shift | held-out | max attn logit, mean |",
              "|---" * 4 + "|"]
@@ -412,32 +414,31 @@ def tune_markdown(record: dict) -> str:
     best angle by the declared rule (the lowest mean held-out) among those recorded."""
     lines = ["| QK-Norm | angle | Adam LR, other leaves | seeds shifting | held-out: mean "
              "(range) |", "|---" * 5 + "|"]
+    def held(name):  # each member's held-out, and their mean (range) as printed
+        h = [held_out(m["eval_step"], m["eval_loss"], m["steps"])
+             for m in record["groups"][name]["members"]]
+        return h, f"{np.mean(h):.3f} ({min(h):.3f}-{max(h):.3f})"
     best: dict[tuple, tuple[float, str]] = {}
     for g in TUNE_ROWS:
         if g.name not in record["groups"]:
             continue
         ms = record["groups"][g.name]["members"]
-        h = [held_out(m["eval_step"], m["eval_loss"], m["steps"]) for m in ms]
+        h, text = held(g.name)
         optim = dict(g.optim)
         hyper = optim.get("optimizer") in ("adamh", "muonh")
         angle = f"{g.lrs[0]:g} ({optim['optimizer']})" if hyper else "Adam"
         lines.append(f"| {'yes' if g.qk_norm else 'no'} | {angle} | "
                      f"{optim.get('adam_lr', g.lrs[0]):g} | "
-                     f"{sum(bool(m['shift_steps']) for m in ms)} of {len(ms)} | "
-                     f"{np.mean(h):.3f} ({min(h):.3f}-{max(h):.3f}) |")
+                     f"{sum(bool(m['shift_steps']) for m in ms)} of {len(ms)} | {text} |")
         arm = (optim.get("optimizer"), g.qk_norm)
         if hyper and np.mean(h) < best.get(arm, (np.inf,))[0]:
             best[arm] = (float(np.mean(h)), angle)
     cpus = sorted({cpu_label(record["groups"][g.name]["machine"]) for g in TUNE_ROWS
                    if g.name in record["groups"]})
     said = [f"{a}{' with QK-Norm' * qk} ({h:.3f})" for (_, qk), (h, a) in sorted(best.items())]
-    adam = []  # Adam at its best LR, the LR sweep's rows (the same regime, 3 seeds)
-    for name in (f"story-lr{ADAM_BEST_LR:g}", f"story-lr{ADAM_BEST_LR:g}-qk"):
-        if name in record["groups"]:
-            ms = record["groups"][name]["members"]
-            h = [held_out(m["eval_step"], m["eval_loss"], m["steps"]) for m in ms]
-            adam.append(f"{'with QK-Norm ' * name.endswith('-qk')}{np.mean(h):.3f} "
-                        f"({min(h):.3f}-{max(h):.3f})")
+    adam = [f"{'with QK-Norm ' * name.endswith('-qk')}{held(name)[1]}"  # the LR sweep's rows
+            for name in (f"story-lr{ADAM_BEST_LR:g}", f"story-lr{ADAM_BEST_LR:g}-qk")
+            if name in record["groups"]]
     return ("\n".join(lines) + f"\n\nBest so far: {'; '.join(said) or 'none'}. Ran on: "
             f"{'; '.join(cpus) or 'none yet'}. Adam at its best LR ({ADAM_BEST_LR:g}; the LR "
             f"sweep's `story-lr{ADAM_BEST_LR:g}` rows, 3 seeds): {', '.join(adam) or 'not run'}.")
@@ -456,9 +457,6 @@ def readme_summary(rows: list[dict]) -> str:
     """The README's evidence table: the rows of README_ROWS that have run, four figures each."""
     by = {r["group"]: r for r in rows}
 
-    def cell(r, key, fmt):
-        lo, hi = r[key]["ci"]
-        return f"{fmt.format(r[key]['mean'])} [{fmt.format(lo)}, {fmt.format(hi)}]"
     lines = ["| the story, 8 seeds a row (95% intervals) | seeds with a level shift | level-shift "
              "episodes / 1k steps | held-out (nats/byte) | max attn logit |", "|---" * 5 + "|"]
     for name, label in README_ROWS:
@@ -478,10 +476,6 @@ def evidence_markdown(rows: list[dict]) -> str:
     repeated."""
     if not rows:
         return "the 8-seed baseline and its QK-Norm twin have not both run yet"
-
-    def cell(r, key, fmt="{:.2f}"):
-        lo, hi = r[key]["ci"]
-        return f"{fmt.format(r[key]['mean'])} [{fmt.format(lo)}, {fmt.format(hi)}]"
 
     def name(r):
         return r["group"]
