@@ -199,7 +199,7 @@ def save_group(name: str, entry: dict) -> None:
         record = load()
         record["groups"][name] = entry
         with written_whole(OUT) as tmp:
-            tmp.write_text(json.dumps(record, indent=1) + "\n")
+            tmp.write_text(json.dumps(record, indent=0) + "\n")  # a value a line, unindented
 
 
 def read_curve(group: str, member: str) -> dict[str, np.ndarray]:

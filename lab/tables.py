@@ -408,40 +408,55 @@ def teach_markdown(record: dict, groups=tuple(g.name for g in TEACH8_ROWS)) -> s
 
 
 def tune_markdown(record: dict) -> str:
-    """Best against best: the tuning rows recorded so far (lab/rows.py, TUNE_ROWS), per row the
-    arm, AdamH's angle and the other leaves' Adam LR, the seeds with a level shift and held-out
-    (the mean of the last 1,000 steps' evals; its mean and the seeds' range); then each arm's
-    best angle by the declared rule (the lowest mean held-out) among those recorded."""
-    lines = ["| QK-Norm | angle | Adam LR, other leaves | seeds shifting | held-out: mean "
-             "(range) |", "|---" * 5 + "|"]
-    def held(name):  # each member's held-out, and their mean (range) as printed
-        h = [held_out(m["eval_step"], m["eval_loss"], m["steps"])
-             for m in record["groups"][name]["members"]]
-        return h, f"{np.mean(h):.3f} ({min(h):.3f}-{max(h):.3f})"
+    """Best against best: the tuning rows recorded so far (lab/rows.py, TUNE_ROWS), one line per
+    optimizer, angle and the other leaves' Adam LR, without and with QK-Norm: the held-out (the
+    mean of the last 1,000 steps' evals) as the seeds' mean (range), and how many seeds had a
+    level shift where any did; each arm's best by the declared rule (the lowest mean held-out);
+    then the 8-seed rows, mean [95% interval]."""
+    def held(name):  # each member's held-out
+        return [held_out(m["eval_step"], m["eval_loss"], m["steps"])
+                for m in record["groups"][name]["members"]]
+
+    def text(name, interval=False):
+        ms, h = record["groups"][name]["members"], held(name)
+        shifting = sum(bool(m["shift_steps"]) for m in ms)
+        spread = "[{:.3f}, {:.3f}]".format(*bootstrap(h)) if interval else \
+            f"({min(h):.3f}-{max(h):.3f})"
+        return f"{np.mean(h):.3f} {spread}" + (f", {shifting} of {len(ms)} shift" * bool(shifting))
+
+    rows: dict[tuple, dict[bool, str]] = {}
     best: dict[tuple, tuple[float, str]] = {}
+    eight = []
     for g in TUNE_ROWS:
         if g.name not in record["groups"]:
             continue
-        ms = record["groups"][g.name]["members"]
-        h, text = held(g.name)
         optim = dict(g.optim)
-        hyper = optim.get("optimizer") in ("adamh", "muonh")
-        angle = f"{g.lrs[0]:g} ({optim['optimizer']})" if hyper else "Adam"
-        lines.append(f"| {'yes' if g.qk_norm else 'no'} | {angle} | "
-                     f"{optim.get('adam_lr', g.lrs[0]):g} | "
-                     f"{sum(bool(m['shift_steps']) for m in ms)} of {len(ms)} | {text} |")
-        arm = (optim.get("optimizer"), g.qk_norm)
-        if hyper and np.mean(h) < best.get(arm, (np.inf,))[0]:
-            best[arm] = (float(np.mean(h)), angle)
+        what = (f"{optim['optimizer']} {g.lrs[0]:g}" if "optimizer" in optim
+                else f"adam {g.lrs[0]:g}")
+        if len(g.seeds) > 3:
+            eight.append(f"{what}{' with QK-Norm' * g.qk_norm} {text(g.name, interval=True)}")
+            continue
+        key = (optim["optimizer"], g.lrs[0], optim["adam_lr"])
+        rows.setdefault(key, {})[g.qk_norm] = text(g.name)
+        arm = (optim["optimizer"], g.qk_norm)
+        if np.mean(held(g.name)) < best.get(arm, (np.inf,))[0]:
+            best[arm] = (float(np.mean(held(g.name))), f"{what}, Adam LR {optim['adam_lr']:g}")
+    lines = ["| optimizer, angle | Adam LR, other leaves | no QK-Norm | QK-Norm |", "|---" * 4 + "|"]
+    lines += [f"| {opt} {a:g} | {lr:g} | {arms.get(False, '')} | {arms.get(True, '')} |"
+              for (opt, a, lr), arms in sorted(rows.items())]
     cpus = sorted({cpu_label(record["groups"][g.name]["machine"]) for g in TUNE_ROWS
                    if g.name in record["groups"]})
     said = [f"{a}{' with QK-Norm' * qk} ({h:.3f})" for (_, qk), (h, a) in sorted(best.items())]
-    adam = [f"{'with QK-Norm ' * name.endswith('-qk')}{held(name)[1]}"  # the LR sweep's rows
+    adam = [f"{'with QK-Norm ' * name.endswith('-qk')}{text(name)}"  # the LR sweep's rows
             for name in (f"story-lr{ADAM_BEST_LR:g}", f"story-lr{ADAM_BEST_LR:g}-qk")
             if name in record["groups"]]
-    return ("\n".join(lines) + f"\n\nBest so far: {'; '.join(said) or 'none'}. Ran on: "
-            f"{'; '.join(cpus) or 'none yet'}. Adam at its best LR ({ADAM_BEST_LR:g}; the LR "
-            f"sweep's `story-lr{ADAM_BEST_LR:g}` rows, 3 seeds): {', '.join(adam) or 'not run'}.")
+    calm = all(not m["shift_steps"] for g in TUNE_ROWS if g.name in record["groups"]
+               for m in record["groups"][g.name]["members"])
+    return ("\n".join(lines) + "\n\n" + "No seed of these rows had a level shift. " * calm +
+            f"Best so far: {'; '.join(said) or 'none'}. Adam at its best "
+            f"LR ({ADAM_BEST_LR:g}; the LR sweep's `story-lr{ADAM_BEST_LR:g}` rows, 3 seeds): "
+            f"{', '.join(adam) or 'not run'}. 8 seeds: {'; '.join(eight) or 'not run yet'}. "
+            f"Ran on: {'; '.join(cpus) or 'none yet'}.")
 
 
 def evidence_json(rows: list[dict]) -> list[dict]:
