@@ -192,19 +192,14 @@ def worker() -> None:
         run = peer.timer(cfg, bench_tokens(cfg))
         reply({"first_step_s": run.first_step_s})
         for line in sys.stdin:
-            reply(run(int(line)))
+            reply(with_faults(run, int(line)) if spec.get("faults") else run(int(line)))
         return
     with tempfile.TemporaryDirectory() as tmp:
         if spec["kind"] == "step":
             timer = variant_timer(spec, pathlib.Path(tmp) / "a")
             reply({"first_step_s": timer.first_step_s})
             for line in sys.stdin:
-                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-                seconds = timer(int(line))
-                reply(seconds if not spec.get("faults") else {
-                    "step_s": seconds, "peak_rss_mb": resource.getrusage(
-                        resource.RUSAGE_SELF).ru_maxrss / 1024, "faults_per_step":
-                    (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / int(line)})
+                reply(with_faults(timer, int(line)) if spec.get("faults") else timer(int(line)))
             return
         # "pair": two variants side by side in this one process, alternately first
         a, b = (variant_timer(s, pathlib.Path(tmp) / n) for s, n in zip(spec["pair"], "ab"))
@@ -216,6 +211,16 @@ def worker() -> None:
             else:
                 ta, tb = a(n), b(n)
             reply([ta, tb])
+
+
+def with_faults(run, n: int) -> dict:
+    """run(n)'s seconds a step, with the minor page faults a step and this process's peak
+    memory so far (getrusage)."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    seconds = run(n)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"step_s": seconds, "faults_per_step": (usage.ru_minflt - before) / n,
+            "peak_rss_mb": usage.ru_maxrss / 1024}
 
 
 def bench_tokens(cfg) -> np.ndarray:
@@ -863,10 +868,16 @@ def story_main(args) -> int:
 TORCH_STEPS = {"cpu": 3, "story": 30}  # steps a turn: ~2 s each
 
 
+GEMM_NAME = "gemm 2048^3/forward"
+GEMM = {GEMM_NAME: (0, 2048, 2048, 2048)}  # the kernel's rate beside the step's own shapes
+
+
 def torch_main(args) -> int:
     """train.py's step (reading each step's metrics, as its loop does) and bench/peer.py's eager
     torch step of the same model, optimizer and batch, on the cpu and story presets: each in its
-    own process, taking turns; tokens/s of each and their ratio per round, medians."""
+    own process, taking turns; tokens/s of each and their ratio per round, medians. Beside
+    them, what limits the ratio: each side's page faults a step and peak memory, the step's
+    projection matmuls and a 2048^3 matmul timed alone in each framework, and the CPU exactly."""
     if peer.torch is None:
         print("--torch: skipped, torch is not installed (its CPU wheel: pip install torch "
               "--index-url https://download.pytorch.org/whl/cpu)")
@@ -879,20 +890,22 @@ def torch_main(args) -> int:
         cfg = PRESETS[preset]
         tokens = cfg.data.batch_size * cfg.data.seq_len
         print(f"{preset}: compiling train.py's step and torch's first step", flush=True)
-        shapes = projection_shapes(cfg)
-        workers = [Worker("spikefix", step_spec(cfg, read=True)),
-                   Worker("torch", {"kind": "torch", "config": dataclasses.asdict(cfg)}),
+        shapes = projection_shapes(cfg) | GEMM  # GEMM counts 0 matmuls a step: its rate alone
+        workers = [Worker("spikefix", step_spec(cfg, read=True) | {"faults": True}),
+                   Worker("torch", {"kind": "torch", "config": dataclasses.asdict(cfg),
+                                    "faults": True}),
                    Worker("xla matmuls", {"kind": "matmul", "shapes": shapes}),
                    Worker("torch matmuls", {"kind": "torch_matmul", "shapes": shapes})]
         for w in workers:
             w.wait_ready()
-        rounds, matmul_rounds = [], []
+        rounds, matmul_rounds, faults = [], [], []
         try:
             for i in range(args.rounds):  # alternately first
                 order = workers if i % 2 == 0 else workers[::-1]
                 t = {w.name: w.time(n) for w in order}
-                rounds.append((t["spikefix"], t["torch"]))
-                matmul_rounds.append([matmul_seconds(shapes, t[k])
+                rounds.append((t["spikefix"]["step_s"], t["torch"]["step_s"]))
+                faults.append((t["spikefix"], t["torch"]))
+                matmul_rounds.append([matmul_seconds(shapes, t[k]) | {"gemm": t[k][GEMM_NAME]}
                                       for k in ("xla matmuls", "torch matmuls")])
         finally:
             for w in workers:
@@ -902,16 +915,27 @@ def torch_main(args) -> int:
         kinds = ("forward", "input_grad", "weight_grad", "all")
         mm = {side: {kind: statistics.median(x[j][kind] for x in matmul_rounds) for kind in kinds}
               for j, side in enumerate(("xla", "torch"))}
+        gemm = {side: statistics.median(x[j]["gemm"] for x in matmul_rounds)
+                for j, side in enumerate(("xla", "torch"))}
+        use = {side: {k: statistics.median(x[j][k] for x in faults)
+                      for k in ("faults_per_step", "peak_rss_mb")}
+               for j, side in enumerate(("spikefix", "torch"))}
         r[preset] = {"spikefix_step_s": jx, "torch_step_s": pt, "spikefix_tokens_per_s":
                      tokens / jx, "torch_tokens_per_s": tokens / pt, "rounds_s": rounds,
                      "ratio": statistics.median(ratio), "ratio_range": [min(ratio), max(ratio)],
-                     "projection_matmuls_s": mm}
+                     "projection_matmuls_s": mm, "gemm_2048_flops": gemm, "memory": use}
         print(f"  train.py's step {jx * 1e3:.1f} ms ({tokens / jx:,.0f} tok/s); eager torch "
               f"{pt * 1e3:.1f} ms ({tokens / pt:,.0f} tok/s): {statistics.median(ratio):.2f}x "
-              f"(rounds {min(ratio):.2f}-{max(ratio):.2f}; {r['machine']['cpu']})", flush=True)
+              f"(rounds {min(ratio):.2f}-{max(ratio):.2f}; {cpu_label(r['machine'])})", flush=True)
         print("  the projections' matmuls alone, ms a step, " + "; ".join(
             f"{kind}: XLA {mm['xla'][kind] * 1e3:.1f}, torch {mm['torch'][kind] * 1e3:.1f}"
             for kind in kinds), flush=True)
+        print(f"  float32 2048^3 matmul: XLA {gemm['xla'] / 1e9:.0f} GFLOP/s, torch "
+              f"{gemm['torch'] / 1e9:.0f}; page faults a step: train.py "
+              f"{use['spikefix']['faults_per_step']:,.0f}, torch "
+              f"{use['torch']['faults_per_step']:,.0f}; peak memory: train.py "
+              f"{use['spikefix']['peak_rss_mb']:,.0f} MB, torch "
+              f"{use['torch']['peak_rss_mb']:,.0f} MB", flush=True)
     other_cpu(r, wall, busy, own)
     write_json(r, args.out or "bench/results-torch.json")
     return 0
