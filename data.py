@@ -26,13 +26,12 @@ import functools
 import hashlib
 import os
 import pathlib
-import sys
 import sysconfig
 import time
 
 import numpy as np
 
-from cli import UserError, check_new_folder, command, parse
+from cli import UserError, check_new_folder, command, entry_point, parse
 
 LLMC_MAGIC = {20240520: np.uint16, 20240801: np.uint32}  # llm.c: GPT-2 shards, Llama-3 shards
 LLMC_HEADER_INTS = 256
@@ -424,4 +423,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    entry_point(main)

@@ -11,14 +11,13 @@ Writes `config.json` and `model.safetensors` that transformers loads as `LlamaFo
 import dataclasses
 import json
 import pathlib
-import sys
 
 import jax
 import numpy as np
 import tyro
 
 from checkpoint import abstract_state, checkpoint_manager, restore_checkpoint, unreadable
-from cli import UserError, check_new_folder, claim_partial, simple_command
+from cli import UserError, check_new_folder, claim_partial, entry_point, simple_command
 from config import load_checkpointed, make_tx
 from data import TokenData
 from distributed import MeshConfig, make_mesh
@@ -121,4 +120,4 @@ main = simple_command(ExportArgs, export, __doc__, "export.py")
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    entry_point(main)

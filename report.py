@@ -31,7 +31,7 @@ import sys
 import numpy as np
 import tyro
 
-from cli import UserError, command, parse
+from cli import UserError, command, entry_point, parse
 from data import token_unit
 from records import acted, read_log, read_metrics
 
@@ -557,4 +557,4 @@ def run_unit(run: pathlib.Path) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    entry_point(main)

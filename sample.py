@@ -23,7 +23,7 @@ import numpy as np
 import tyro
 
 import attention as A
-from cli import UserError, simple_command
+from cli import UserError, entry_point, simple_command
 from config import TrainConfig, load_checkpointed
 from export import restore_params
 from model import (
@@ -193,4 +193,4 @@ main = simple_command(SampleArgs, sample, __doc__, "sample.py")
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    entry_point(main)

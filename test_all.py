@@ -2153,6 +2153,48 @@ def test_qk_clip_switched_on_after_the_guard_inserted_qk_norm_is_one_line():
         CF.config_at(tiny(optim__qk_clip=50.0), [escalation])
 
 
+HEAP_PROBE = """
+import ctypes, resource, sys
+import cli
+kept = cli.keep_heap()
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+faults = []
+for _ in range(3):  # a 64 MiB buffer written, freed and taken again, as a step's buffers are
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    p = libc.malloc(64 << 20)
+    ctypes.memset(p, 1, 64 << 20)
+    libc.free(p)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(kept, faults[-1])
+"""
+
+
+@pytest.mark.parametrize("heap", ["kept", "default"])
+def test_every_entry_point_keeps_the_heap_so_a_freed_buffer_is_not_faulted_in_again(heap):
+    """cli.keep_heap, as every entry point calls it first (cli.entry_point): a buffer freed and
+    allocated again is reused, not mapped and faulted in afresh as under glibc's own settings
+    (16,384 pages of 4 KiB each time); SPIKEFIX_HEAP=default leaves glibc's."""
+    out = subprocess.run([sys.executable, "-c", HEAP_PROBE], capture_output=True, text=True,
+                         check=True, env=os.environ | {"SPIKEFIX_HEAP": heap}).stdout.split()
+    if heap == "kept":
+        assert out[0] == "True" and int(out[1]) < 100
+    else:
+        assert out[0] == "False" and int(out[1]) > 10_000
+    assert all("entry_point(" in (pathlib.Path(__file__).parent / f).read_text()
+               for f in ("train.py", "warmstart.py", "sample.py", "export.py", "report.py",
+                         "data.py", "lab/experiments.py", "bench/bench.py"))
+
+
+def test_a_bad_heap_setting_is_one_line_and_exit_2():
+    r = subprocess.run([sys.executable, "train.py", "--help"], capture_output=True, text=True,
+                       env=os.environ | {"SPIKEFIX_HEAP": "bogus"},
+                       cwd=pathlib.Path(__file__).parent)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: SPIKEFIX_HEAP=bogus: it takes kept (the default) or default (glibc's own)"]
+
+
 # ---------------------------------------------------------------------------------------------
 # train.py: the CLI, bad input, a run that learns, stopping
 

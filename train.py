@@ -37,7 +37,7 @@ from checkpoint import (
     saved_steps,
     write_config,
 )
-from cli import UserError, command, fmt_time
+from cli import UserError, command, entry_point, fmt_time
 from config import (
     TrainConfig,
     config_at,
@@ -358,4 +358,4 @@ def done_line(cfg: TrainConfig, last: dict, seconds: float) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    entry_point(main)

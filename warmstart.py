@@ -43,7 +43,7 @@ import tyro
 import checkpoint
 import train
 from checkpoint import carry, init_new_leaves, onto_radius
-from cli import UserError, command, parse
+from cli import UserError, command, entry_point, parse
 from config import (
     TrainConfig,
     check_same_run,
@@ -290,4 +290,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    entry_point(main)

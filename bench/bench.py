@@ -75,7 +75,7 @@ import optim as O
 import train as T
 import warmstart as W
 from bench import peer
-from cli import command, parse
+from cli import HEAP, command, entry_point, parse
 from config import PRESETS, TrainConfig, config_from_dict, make_tx
 from data import DataConfig
 from distributed import MeshConfig, make_mesh
@@ -875,9 +875,11 @@ GEMM = {GEMM_NAME: (0, 2048, 2048, 2048)}  # the kernel's rate beside the step's
 def torch_main(args) -> int:
     """train.py's step (reading each step's metrics, as its loop does) and bench/peer.py's eager
     torch step of the same model, optimizer and batch, on the cpu and story presets: each in its
-    own process, taking turns; tokens/s of each and their ratio per round, medians. Beside
-    them, what limits the ratio: each side's page faults a step and peak memory, the step's
-    projection matmuls and a 2048^3 matmul timed alone in each framework, and the CPU exactly."""
+    own process, taking turns; tokens/s of each and their ratio per round, medians; train.py's
+    step also with glibc's own heap (ALLOCATORS; torch has it too). Beside them, what limits the
+    ratio: each side's page faults a step and peak memory, the step's projection matmuls and a
+    2048^3 matmul timed
+    alone in each framework, and the CPU exactly."""
     if peer.torch is None:
         print("--torch: skipped, torch is not installed (its CPU wheel: pip install torch "
               "--index-url https://download.pytorch.org/whl/cpu)")
@@ -891,51 +893,49 @@ def torch_main(args) -> int:
         tokens = cfg.data.batch_size * cfg.data.seq_len
         print(f"{preset}: compiling train.py's step and torch's first step", flush=True)
         shapes = projection_shapes(cfg) | GEMM  # GEMM counts 0 matmuls a step: its rate alone
-        workers = [Worker("spikefix", step_spec(cfg, read=True) | {"faults": True}),
-                   Worker("torch", {"kind": "torch", "config": dataclasses.asdict(cfg),
-                                    "faults": True}),
-                   Worker("xla matmuls", {"kind": "matmul", "shapes": shapes}),
+        spec = step_spec(cfg, read=True) | {"faults": True}
+        sides = {"train.py": Worker("train.py", spec),  # its heap kept, as every entry point's
+                 "train.py, glibc's heap": Worker("train.py, glibc's heap", spec,
+                                                  ALLOCATORS["default"]),
+                 "torch": Worker("torch", {"kind": "torch", "config": dataclasses.asdict(cfg),
+                                           "faults": True}, ALLOCATORS["default"])}
+        workers = [*sides.values(), Worker("xla matmuls", {"kind": "matmul", "shapes": shapes}),
                    Worker("torch matmuls", {"kind": "torch_matmul", "shapes": shapes})]
         for w in workers:
             w.wait_ready()
-        rounds, matmul_rounds, faults = [], [], []
+        rounds, matmul_rounds = [], []
         try:
             for i in range(args.rounds):  # alternately first
                 order = workers if i % 2 == 0 else workers[::-1]
-                t = {w.name: w.time(n) for w in order}
-                rounds.append((t["spikefix"]["step_s"], t["torch"]["step_s"]))
-                faults.append((t["spikefix"], t["torch"]))
-                matmul_rounds.append([matmul_seconds(shapes, t[k]) | {"gemm": t[k][GEMM_NAME]}
+                rounds.append({w.name: w.time(n) for w in order})
+                matmul_rounds.append([matmul_seconds(shapes, rounds[-1][k])
+                                      | {"gemm": rounds[-1][k][GEMM_NAME]}
                                       for k in ("xla matmuls", "torch matmuls")])
         finally:
             for w in workers:
                 w.close()
-        jx, pt = (statistics.median(x) for x in zip(*rounds))
-        ratio = [b / a for a, b in rounds]  # spikefix's tokens/s over torch's, each round
         kinds = ("forward", "input_grad", "weight_grad", "all")
         mm = {side: {kind: statistics.median(x[j][kind] for x in matmul_rounds) for kind in kinds}
               for j, side in enumerate(("xla", "torch"))}
         gemm = {side: statistics.median(x[j]["gemm"] for x in matmul_rounds)
                 for j, side in enumerate(("xla", "torch"))}
-        use = {side: {k: statistics.median(x[j][k] for x in faults)
-                      for k in ("faults_per_step", "peak_rss_mb")}
-               for j, side in enumerate(("spikefix", "torch"))}
-        r[preset] = {"spikefix_step_s": jx, "torch_step_s": pt, "spikefix_tokens_per_s":
-                     tokens / jx, "torch_tokens_per_s": tokens / pt, "rounds_s": rounds,
-                     "ratio": statistics.median(ratio), "ratio_range": [min(ratio), max(ratio)],
-                     "projection_matmuls_s": mm, "gemm_2048_flops": gemm, "memory": use}
-        print(f"  train.py's step {jx * 1e3:.1f} ms ({tokens / jx:,.0f} tok/s); eager torch "
-              f"{pt * 1e3:.1f} ms ({tokens / pt:,.0f} tok/s): {statistics.median(ratio):.2f}x "
-              f"(rounds {min(ratio):.2f}-{max(ratio):.2f}; {cpu_label(r['machine'])})", flush=True)
+        r[preset] = {"projection_matmuls_s": mm, "gemm_2048_flops": gemm, "tokens": tokens}
+        for side in sides:
+            ratio = [x["torch"]["step_s"] / x[side]["step_s"] for x in rounds]  # tokens/s ratio
+            r[preset][side] = {k: statistics.median(x[side][k] for x in rounds)
+                               for k in ("step_s", "faults_per_step", "peak_rss_mb")} | {
+                "rounds_s": [x[side]["step_s"] for x in rounds],
+                "ratio_to_torch": statistics.median(ratio), "ratio_range": [min(ratio), max(ratio)]}
+            f = r[preset][side]
+            print(f"  {side}: {f['step_s'] * 1e3:.1f} ms a step ({tokens / f['step_s']:,.0f} tok/s"
+                  f"), {f['ratio_to_torch']:.2f}x torch's tokens/s (rounds {min(ratio):.2f}-"
+                  f"{max(ratio):.2f}); {f['faults_per_step']:,.0f} page faults a step, peak "
+                  f"{f['peak_rss_mb']:,.0f} MB", flush=True)
         print("  the projections' matmuls alone, ms a step, " + "; ".join(
             f"{kind}: XLA {mm['xla'][kind] * 1e3:.1f}, torch {mm['torch'][kind] * 1e3:.1f}"
             for kind in kinds), flush=True)
         print(f"  float32 2048^3 matmul: XLA {gemm['xla'] / 1e9:.0f} GFLOP/s, torch "
-              f"{gemm['torch'] / 1e9:.0f}; page faults a step: train.py "
-              f"{use['spikefix']['faults_per_step']:,.0f}, torch "
-              f"{use['torch']['faults_per_step']:,.0f}; peak memory: train.py "
-              f"{use['spikefix']['peak_rss_mb']:,.0f} MB, torch "
-              f"{use['torch']['peak_rss_mb']:,.0f} MB", flush=True)
+              f"{gemm['torch'] / 1e9:.0f} ({cpu_label(r['machine'])})", flush=True)
     other_cpu(r, wall, busy, own)
     write_json(r, args.out or "bench/results-torch.json")
     return 0
@@ -944,13 +944,13 @@ def torch_main(args) -> int:
 # ---------------------------------------------------------------------------------------------
 # bench.py --allocator: XLA:CPU allocates each step's buffers with glibc's malloc, which maps
 # buffers this large afresh and unmaps them when freed, so every step faults its pages in again.
-# The settings that keep them in the heap, each set before the process starts (GLIBC_TUNABLES).
+# Every entry point keeps them in the heap (cli.keep_heap); against glibc's own settings, and
+# transparent huge pages, each set before the process starts.
 
 ALLOCATORS = {
-    "default": {},
-    "heap-kept": {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold="
-                                    "4294967295:glibc.malloc.arena_max=1"},
-    "huge-pages": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
+    "default": {HEAP: "default"},  # glibc's own settings
+    "heap-kept": {},  # the program's own: cli.keep_heap
+    "huge-pages": {HEAP: "default", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
 }
 ALLOCATOR_PRESETS = {"cpu": 3, "story": 20, "cpu-long": 2}  # steps a turn
 
@@ -1065,4 +1065,4 @@ def harness_main(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    entry_point(main)

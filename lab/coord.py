@@ -18,7 +18,6 @@ than 20% larger.
 import dataclasses
 import json
 import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,7 @@ import numpy as np
 import model as M
 import train as T
 from checkpoint import init_state
-from cli import command, parse, written_whole
+from cli import command, entry_point, parse, written_whole
 from config import make_tx
 from data import TokenData
 from lab.harness import one_device_mesh
@@ -143,4 +142,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    entry_point(main)

@@ -44,7 +44,7 @@ import numpy as np
 import tyro
 
 from checkpoint import saved_steps
-from cli import UserError, command, parse
+from cli import UserError, command, entry_point, parse
 from config import PRESETS
 from lab import harness, search, store
 from lab.breaks import (
@@ -644,4 +644,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    entry_point(main)

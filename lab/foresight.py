@@ -36,12 +36,11 @@ over the seeds.
 
 import dataclasses
 import pathlib
-import sys
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from cli import command, parse
+from cli import command, entry_point, parse
 from lab.stats import bootstrap, episodes
 from lab.store import SEED_CURVES, read_curve
 from lab.tables import update_readme
@@ -296,4 +295,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    entry_point(main)

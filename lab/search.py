@@ -16,12 +16,11 @@ the QK-Norm run of the same settings (lab/stats.py's first_match).
 """
 
 import dataclasses
-import sys
 
 import numpy as np
 import tyro
 
-from cli import UserError, command, parse
+from cli import UserError, command, entry_point, parse
 from lab.figures import (
     plot,
 )
@@ -159,4 +158,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(command(main)(sys.argv[1:]))
+    entry_point(command(main))

@@ -36,7 +36,7 @@ import time
 
 import tyro
 
-from cli import UserError, command, parse
+from cli import UserError, command, entry_point, parse
 from lab.harness import SNAPSHOTS, open_keep
 from lab.rows import HARNESS_ROWS, Group
 from lab.store import load
@@ -195,4 +195,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    entry_point(main)

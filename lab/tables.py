@@ -441,7 +441,8 @@ def tune_markdown(record: dict) -> str:
         arm = (optim["optimizer"], g.qk_norm)
         if np.mean(held(g.name)) < best.get(arm, (np.inf,))[0]:
             best[arm] = (float(np.mean(held(g.name))), f"{what}, Adam LR {optim['adam_lr']:g}")
-    lines = ["| optimizer, angle | Adam LR, other leaves | no QK-Norm | QK-Norm |", "|---" * 4 + "|"]
+    lines = ["| optimizer, angle | Adam LR, other leaves | no QK-Norm | QK-Norm |",
+             "|---" * 4 + "|"]
     lines += [f"| {opt} {a:g} | {lr:g} | {arms.get(False, '')} | {arms.get(True, '')} |"
               for (opt, a, lr), arms in sorted(rows.items())]
     cpus = sorted({cpu_label(record["groups"][g.name]["machine"]) for g in TUNE_ROWS
