@@ -482,6 +482,8 @@ TUNE_ROWS += [tune_row("adamh", 1e-3, True)]
 TUNE_ROWS += [tune_row("adamh", 3e-3, True, lr) for lr in (3e-4, 3e-3)]
 # Without QK-Norm, 3e-3 gave 1.963 against 1.968 at 1e-2: its best at the edge, so 1e-3 next:
 TUNE_ROWS += [tune_row("adamh", 1e-3, False)]
+# It gave 2.097, so 3e-3 is that arm's best, bracketed; its other leaves' LR next, declared then:
+TUNE_ROWS += [tune_row("adamh", 3e-3, False, lr) for lr in (3e-3, 3e-4)]
 # (MuonH, the hero run's, the same way: its angles after AdamH's, by the same rule.)
 TUNE_ROWS += [g for base in [dataclasses.replace(EVIDENCE, name="story8-adam-best",
                                                  lrs=(ADAM_BEST_LR,), snapshot_every=0,
