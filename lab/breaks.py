@@ -352,13 +352,13 @@ def knobs_answer(rows: list[dict]) -> list[str]:
         # a best at the grid's lowest LR leaves only a lower bound on the distance: not "within"
         near = r["decades"] is not None and r["decades"] <= HALF_DECADE and edge(r) != "<="
         twin_ok = twin is not None and (twin["decades"] is None or twin["decades"] > HALF_DECADE)
-        moved = (AT[edge(r)] + f"{r['decades'] - base['decades']:+.1f} decades against "
-                 f"{width[:-2] or 'the proxy'} as it is"
+        moved = (AT[edge(r)] + f"{r['decades'] - base['decades']:+.1f} against "
+                 f"{width[:-2] or 'the proxy'}"
                  if base and base["decades"] is not None and r["decades"] is not None else
                  "not comparable (a break outside a grid)")
         gap = "nowhere in the grid" if r["decades"] is None else (
             AT[edge(r)] + f"{r['decades']:.1f} decades above its best LR"
-            + (" (its best at the grid's edge)" if edge(r) else ""))
+            + (" (best at the grid's edge)" if edge(r) else ""))
         qk = ("QK-Norm's arm " + ("has not run" if r["twin"] in HARNESS_ROWS else
                                   "is not declared")) if twin is None else "with QK-Norm " + (
             "no break in the grid" if twin["decades"] is None else

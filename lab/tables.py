@@ -411,8 +411,9 @@ def tune_markdown(record: dict) -> str:
     """Best against best: the tuning rows recorded so far (lab/rows.py, TUNE_ROWS), one line per
     optimizer, angle and the other leaves' Adam LR, without and with QK-Norm: the held-out (the
     mean of the last 1,000 steps' evals) as the seeds' mean (range), and how many seeds had a
-    level shift where any did; each arm's best by the declared rule (the lowest mean held-out);
-    then the 8-seed rows, mean [95% interval]."""
+    level shift where any did; Adam at its best LR (the LR sweep's rows, 3 seeds); each arm's
+    best by the declared rule (the lowest mean held-out); then the 8-seed rows, mean [95%
+    interval]."""
     def held(name):  # each member's held-out
         return [held_out(m["eval_step"], m["eval_loss"], m["steps"])
                 for m in record["groups"][name]["members"]]
@@ -448,16 +449,16 @@ def tune_markdown(record: dict) -> str:
     cpus = sorted({cpu_label(record["groups"][g.name]["machine"]) for g in TUNE_ROWS
                    if g.name in record["groups"]})
     said = [f"{a}{' with QK-Norm' * qk} ({h:.3f})" for (_, qk), (h, a) in sorted(best.items())]
-    adam = [f"{'with QK-Norm ' * name.endswith('-qk')}{text(name)}"  # the LR sweep's rows
-            for name in (f"story-lr{ADAM_BEST_LR:g}", f"story-lr{ADAM_BEST_LR:g}-qk")
-            if name in record["groups"]]
-    calm = all(not m["shift_steps"] for g in TUNE_ROWS if g.name in record["groups"]
-               for m in record["groups"][g.name]["members"])
+    sweep = [f"story-lr{ADAM_BEST_LR:g}{qk}" for qk in ("", "-qk")]  # Adam at its best LR
+    if all(name in record["groups"] for name in sweep):
+        cpu = group_cpu(record["groups"][sweep[0]]) or "CPU not recorded"
+        lines.append(f"| Adam {ADAM_BEST_LR:g} (`{sweep[0]}`, {cpu}) | | "
+                     f"{' | '.join(text(name) for name in sweep)} |")
+    calm = all(not m["shift_steps"] for name in [g.name for g in TUNE_ROWS] + sweep
+               if name in record["groups"] for m in record["groups"][name]["members"])
     return ("\n".join(lines) + "\n\n" + "No seed of these rows had a level shift. " * calm +
-            f"Best so far: {'; '.join(said) or 'none'}. Adam at its best "
-            f"LR ({ADAM_BEST_LR:g}; the LR sweep's `story-lr{ADAM_BEST_LR:g}` rows, 3 seeds): "
-            f"{', '.join(adam) or 'not run'}. 8 seeds: {'; '.join(eight) or 'not run yet'}. "
-            f"Ran on: {'; '.join(cpus) or 'none yet'}.")
+            f"Best so far: {'; '.join(said) or 'none'}. 8 seeds: "
+            f"{'; '.join(eight) or 'not run yet'}. Ran on: {'; '.join(cpus) or 'none yet'}.")
 
 
 def evidence_json(rows: list[dict]) -> list[dict]:
