@@ -434,6 +434,8 @@ def tune_markdown(record: dict) -> str:
         optim = dict(g.optim)
         what = (f"{optim['optimizer']} {g.lrs[0]:g}" if "optimizer" in optim
                 else f"adam {g.lrs[0]:g}")
+        if "optimizer" not in optim and len(g.seeds) <= 3:
+            continue  # Adam's own LR sweep: its lines below
         if len(g.seeds) > 3:
             eight.append(f"{what}{' with QK-Norm' * g.qk_norm} {text(g.name, interval=True)}")
             continue
@@ -447,13 +449,16 @@ def tune_markdown(record: dict) -> str:
     lines += [f"| {opt} {a:g} | {lr:g} | {arms.get(False, '')} | {arms.get(True, '')} |"
               for (opt, a, lr), arms in sorted(rows.items())]
     cpus = sorted({cpu_label(record["groups"][g.name]["machine"]) for g in TUNE_ROWS
-                   if g.name in record["groups"]})
+                   if "machine" in record["groups"].get(g.name, {})})
     said = [f"{a}{' with QK-Norm' * qk} ({h:.3f})" for (_, qk), (h, a) in sorted(best.items())]
-    sweep = [f"story-lr{ADAM_BEST_LR:g}{qk}" for qk in ("", "-qk")]  # Adam at its best LR
-    if all(name in record["groups"] for name in sweep):
-        cpu = group_cpu(record["groups"][sweep[0]]) or "CPU not recorded"
-        lines.append(f"| Adam {ADAM_BEST_LR:g} (`{sweep[0]}`, {cpu}) | | "
-                     f"{' | '.join(text(name) for name in sweep)} |")
+    sweep = []  # Adam at its best LR and below it: the LR sweep's rows
+    for lr in (3e-4, ADAM_BEST_LR):
+        names = [f"story-lr{lr:g}{qk}" for qk in ("", "-qk")]
+        if any(name in record["groups"] for name in names):
+            sweep += names
+            cpu = group_cpu(record["groups"].get(names[0], {})) or "CPU not recorded"
+            lines.append(f"| Adam {lr:g} (`{names[0]}`, {cpu}) | | " + " | ".join(
+                text(name) if name in record["groups"] else "" for name in names) + " |")
     calm = all(not m["shift_steps"] for name in [g.name for g in TUNE_ROWS] + sweep
                if name in record["groups"] for m in record["groups"][name]["members"])
     return ("\n".join(lines) + "\n\n" + "No seed of these rows had a level shift. " * calm +
