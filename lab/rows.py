@@ -487,6 +487,8 @@ TUNE_ROWS += [tune_row("adamh", 3e-3, False, lr) for lr in (3e-3, 3e-4)]
 # The other leaves at 3e-3 gave 1.604 and, with QK-Norm, 1.546 (1.963 and 1.854 at 1e-3): the
 # best at that grid's edge in both arms, so 1e-2 next, declared then:
 TUNE_ROWS += [tune_row("adamh", 3e-3, qk, 1e-2) for qk in (True, False)]
+# 1e-2 gave 1.475 and, with QK-Norm, 1.493: the edge again, so 3e-2 next (declared then):
+TUNE_ROWS += [tune_row("adamh", 3e-3, qk, 3e-2) for qk in (True, False)]
 # Adam's own best LR (1e-3) is its sweep's lowest, so by the same rule 3e-4 next, with and
 # without QK-Norm (declared then; the sweep's rows' form, 3 seeds):
 ADAM_BELOW = [dataclasses.replace(STORY, name="story-lr0.0003", lrs=(3e-4,))]
