@@ -878,8 +878,7 @@ def torch_main(args) -> int:
     own process, taking turns; tokens/s of each and their ratio per round, medians; train.py's
     step also with glibc's own heap (ALLOCATORS; torch has it too). Beside them, what limits the
     ratio: each side's page faults a step and peak memory, the step's projection matmuls and a
-    2048^3 matmul timed
-    alone in each framework, and the CPU exactly."""
+    2048^3 matmul timed alone in each framework, and the CPU exactly."""
     if peer.torch is None:
         print("--torch: skipped, torch is not installed (its CPU wheel: pip install torch "
               "--index-url https://download.pytorch.org/whl/cpu)")
