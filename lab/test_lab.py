@@ -990,7 +990,8 @@ def test_the_readmes_links_into_the_results_land_on_a_section():
 def test_the_stored_tables_are_recomputed_from_the_stored_curves_digit_for_digit():
     """results/README.md's harness tables and the README's six evidence rows, recomputed from
     results/search.json and the curves as stored (each kept to what curve_arrays keeps), equal
-    the text printed there; results/ stays under 60 MB. (The whole evidence table and the
+    the text printed there; results/ stays under 64 MB, so a clone stays light (a 3-seed row adds
+    ~130 kB, an 8-seed row ~350 kB). (The whole evidence table and the
     switch's take a minute: python -m lab.experiments --evidence; the early-warning table:
     python -m lab.foresight.)"""
     root = pathlib.Path(__file__).parent.parent
@@ -1015,7 +1016,7 @@ def test_the_stored_tables_are_recomputed_from_the_stored_curves_digit_for_digit
     for path in sorted((root / "results" / "curves").glob("*/*.npz"))[::40]:
         c = STO.read_curve(path.parent.name, path.stem)
         assert STO.curve_arrays(path.parent.name, c).keys() == c.keys(), path  # kept as it says
-    assert sum(f.stat().st_size for f in (root / "results").rglob("*") if f.is_file()) < 60e6
+    assert sum(f.stat().st_size for f in (root / "results").rglob("*") if f.is_file()) < 64e6
 
 
 # ---------------------------------------------------------------------------------------------
