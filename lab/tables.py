@@ -448,17 +448,20 @@ def tune_markdown(record: dict) -> str:
              "|---" * 4 + "|"]
     lines += [f"| {opt} {a:g} | {lr:g} | {arms.get(False, '')} | {arms.get(True, '')} |"
               for (opt, a, lr), arms in sorted(rows.items())]
-    cpus = sorted({cpu_label(record["groups"][g.name]["machine"]) for g in TUNE_ROWS
-                   if "machine" in record["groups"].get(g.name, {})})
     said = [f"{a}{' with QK-Norm' * qk} ({h:.3f})" for (_, qk), (h, a) in sorted(best.items())]
     sweep = []  # Adam at its best LR and below it: the LR sweep's rows
     for lr in (3e-4, ADAM_BEST_LR):
         names = [f"story-lr{lr:g}{qk}" for qk in ("", "-qk")]
         if any(name in record["groups"] for name in names):
             sweep += names
-            cpu = group_cpu(record["groups"].get(names[0], {})) or "CPU not recorded"
-            lines.append(f"| Adam {lr:g} (`{names[0]}`, {cpu}) | | " + " | ".join(
+            lines.append(f"| Adam {lr:g} (`{names[0]}`) | | " + " | ".join(
                 text(name) if name in record["groups"] else "" for name in names) + " |")
+    ran = [g.name for g in TUNE_ROWS if g.name in record["groups"]] + \
+        [name for name in sweep if name in record["groups"]]
+    machines = {n: record["groups"][n].get("machine") for n in ran}
+    cpus = sorted({cpu_label(m) for m in machines.values() if m and "cpu_family" in m})
+    unknown = [n for n, m in machines.items() if not (m and "cpu_family" in m)]
+    cpus += [f"{', '.join(f'`{n}`' for n in unknown)}: CPU not recorded"] * bool(unknown)
     calm = all(not m["shift_steps"] for name in [g.name for g in TUNE_ROWS] + sweep
                if name in record["groups"] for m in record["groups"][name]["members"])
     return ("\n".join(lines) + "\n\n" + "No seed of these rows had a level shift. " * calm +
