@@ -356,9 +356,8 @@ def knobs_answer(rows: list[dict]) -> list[str]:
                  f"{width[:-2] or 'the proxy'}"
                  if base and base["decades"] is not None and r["decades"] is not None else
                  "not comparable (a break outside a grid)")
-        gap = "nowhere in the grid" if r["decades"] is None else (
-            AT[edge(r)] + f"{r['decades']:.1f} decades above its best LR"
-            + (" (best at the grid's edge)" if edge(r) else ""))
+        gap = "nowhere in the grid" if r["decades"] is None else (  # "at least": a best at the
+            AT[edge(r)] + f"{r['decades']:.1f} decades above its best LR")  # grid's edge ("<=")
         qk = ("QK-Norm's arm " + ("has not run" if r["twin"] in HARNESS_ROWS else
                                   "is not declared")) if twin is None else "with QK-Norm " + (
             "no break in the grid" if twin["decades"] is None else
