@@ -443,12 +443,12 @@ def tune_markdown(record: dict) -> str:
         rows.setdefault(key, {})[g.qk_norm] = text(g.name)
         arm = (optim["optimizer"], g.qk_norm)
         if np.mean(held(g.name)) < best.get(arm, (np.inf,))[0]:
-            best[arm] = (float(np.mean(held(g.name))), f"{what}, Adam LR {optim['adam_lr']:g}")
+            best[arm] = (float(np.mean(held(g.name))), f"{what} / {optim['adam_lr']:g}")
     lines = ["| optimizer, angle | Adam LR, other leaves | no QK-Norm | QK-Norm |",
              "|---" * 4 + "|"]
     lines += [f"| {opt} {a:g} | {lr:g} | {arms.get(False, '')} | {arms.get(True, '')} |"
               for (opt, a, lr), arms in sorted(rows.items())]
-    said = [f"{a}{' with QK-Norm' * qk} ({h:.3f})" for (_, qk), (h, a) in sorted(best.items())]
+    said = [f"{a}{' QK-Norm' * qk}: {h:.3f}" for (_, qk), (h, a) in sorted(best.items())]
     sweep = []  # Adam at its best LR and below it: the LR sweep's rows
     for lr in (3e-4, ADAM_BEST_LR):
         names = [f"story-lr{lr:g}{qk}" for qk in ("", "-qk")]
@@ -465,7 +465,7 @@ def tune_markdown(record: dict) -> str:
     calm = all(not m["shift_steps"] for name in [g.name for g in TUNE_ROWS] + sweep
                if name in record["groups"] for m in record["groups"][name]["members"])
     return ("\n".join(lines) + "\n\n" + "No seed of these rows had a level shift. " * calm +
-            f"Best so far: {'; '.join(said) or 'none'}. 8 seeds: "
+            f"Best (angle / Adam LR): {'; '.join(said) or 'none'}. 8 seeds: "
             f"{'; '.join(eight) or 'not run yet'}. Ran on: {'; '.join(cpus) or 'none yet'}.")
 
 
