@@ -552,11 +552,11 @@ def evidence_markdown(rows: list[dict]) -> str:
             lines.append(
                 f"\n{name(r)}: {np.mean(gd['guard_actions']):.1f} guard actions a seed "
                 f"({min(gd['guard_actions'])}-{max(gd['guard_actions'])}); "
-                f"{np.mean(share):.1%} of the steps computed again ({min(share):.1%}-"
+                f"{np.mean(share):.1%} of the steps recomputed ({min(share):.1%}-"
                 f"{max(share):.1%}); escalated to {ESCALATED_TO[guarded[r['group']]['escalate']]} "
                 f"in {len(at)} of {len(gd['escalated_at'])} seeds"
-                + (f", from steps {min(at):,}-{max(at):,}" if at else "")
-                + (f"; shifts taken as the data's: {sum(gd['data_records'])}"
+                + (f", steps {min(at):,}-{max(at):,}" if at else "")
+                + (f"; the data's shifts: {sum(gd['data_records'])}"
                    if "data_records" in gd else "") + ".")
     cpus = sorted({r["cpu"] for r in rows})
     lines.append(f"\nRan on: {'; '.join(cpus)}. Intervals: 95% percentile bootstrap over seeds "
