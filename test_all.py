@@ -2746,7 +2746,8 @@ def test_the_progress_line_shows_mfu_against_the_peak_it_names(tmp_path, capsys)
     rate = float(line.split(" tok/s")[0].split("| ")[-1].removesuffix("k")) * 1e3
     mfu = float(line.split("MFU ")[1].split("%")[0]) / 100
     flops = M.flops_per_token(cfg.model, cfg.data.seq_len)
-    assert mfu == pytest.approx(flops * rate / 1e10, rel=0.02)  # (the line's rounding)
+    # within the line's rounding: tok/s to 0.1k, MFU to 0.1%
+    assert abs(mfu - flops * rate / 1e10) <= flops * 50 / 1e10 + 0.0005 + 1e-9
     T.train(dataclasses.replace(tiny(tmp_path / "b", steps=4), run_dir=str(tmp_path / "b")),
             devices=jax.devices()[:1])
     out = capsys.readouterr().out
