@@ -456,14 +456,12 @@ def tune_markdown(record: dict) -> str:
             sweep += names
             lines.append(f"| Adam {lr:g} (`{names[0]}`) | | " + " | ".join(
                 text(name) if name in record["groups"] else "" for name in names) + " |")
-    ran = [g.name for g in TUNE_ROWS if g.name in record["groups"]] + \
-        [name for name in sweep if name in record["groups"]]
+    ran = [n for n in dict.fromkeys([g.name for g in TUNE_ROWS] + sweep) if n in record["groups"]]
     machines = {n: record["groups"][n].get("machine") for n in ran}
     cpus = sorted({cpu_label(m) for m in machines.values() if m and "cpu_family" in m})
     unknown = [n for n, m in machines.items() if not (m and "cpu_family" in m)]
     cpus += [f"{', '.join(f'`{n}`' for n in unknown)}: CPU not recorded"] * bool(unknown)
-    calm = all(not m["shift_steps"] for name in [g.name for g in TUNE_ROWS] + sweep
-               if name in record["groups"] for m in record["groups"][name]["members"])
+    calm = all(not m["shift_steps"] for name in ran for m in record["groups"][name]["members"])
     return ("\n".join(lines) + "\n\n" + "No seed of these rows had a level shift. " * calm +
             f"Best (angle / Adam LR): {'; '.join(said) or 'none'}. 8 seeds: "
             f"{'; '.join(eight) or 'not run yet'}. Ran on: {'; '.join(cpus) or 'none yet'}.")
