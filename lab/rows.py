@@ -502,19 +502,21 @@ TUNE_ROWS += [g for base in ADAM_BELOW for g in (base, twin(base))]
 # both arms, by the same rule.
 MUONH_ADAM_LR = 3e-2
 TUNE_ROWS += [tune_row("muonh", a, qk, MUONH_ADAM_LR) for a in TUNE_ANGLES for qk in (False, True)]
-TUNE_ROWS += [g for base in [dataclasses.replace(EVIDENCE, name="story8-adam-best",
-                                                 lrs=(ADAM_BEST_LR,), snapshot_every=0,
-                                                 compare_with="story8-adam-best-qk", label="")]
-              for g in (base, twin(base, compare_with=""))]
+
+
+def best8(name: str, lr: float, optim: tuple = ()) -> list[Group]:
+    """8 seeds at an arm's best (the evidence's seeds), without and with QK-Norm."""
+    base = dataclasses.replace(EVIDENCE, name=name, lrs=(lr,), optim=optim, snapshot_every=0,
+                               compare_with=f"{name}-qk", label="")
+    return [base, twin(base, compare_with="")]
+
+
+TUNE_ROWS += best8("story8-adam-best", ADAM_BEST_LR)
 # The other leaves at 1e-1 gave 1.524 and, with QK-Norm, 1.496: 3e-2 is both arms' best,
 # bracketed, and 3e-3 their best angle (bracketed at the other leaves' 1e-3, not swept again at
 # 3e-2). Adam at 3e-4 gave 1.502 and 1.478: 1e-3 is Adam's best in both arms, bracketed. So, by
 # the rule, 8 seeds at AdamH's best pair in each arm (declared then):
-TUNE_ROWS += [g for base in [dataclasses.replace(EVIDENCE, name="story8-adamh-best", lrs=(3e-3,),
-                                                 optim=(("optimizer", "adamh"), ("adam_lr", 3e-2)),
-                                                 snapshot_every=0, label="",
-                                                 compare_with="story8-adamh-best-qk")]
-              for g in (base, twin(base, compare_with=""))]
+TUNE_ROWS += best8("story8-adamh-best", 3e-3, (("optimizer", "adamh"), ("adam_lr", 3e-2)))
 HYPERBALL_ROWS += TUNE_ROWS
 # The switch, as a 2 x 3 with its control (declared before any of these ran; its events counted
 # from the fork step). Its source first, on one CPU model exactly (the forks are bitwise only
