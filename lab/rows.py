@@ -517,6 +517,9 @@ TUNE_ROWS += best8("story8-adam-best", ADAM_BEST_LR)
 # 3e-2). Adam at 3e-4 gave 1.502 and 1.478: 1e-3 is Adam's best in both arms, bracketed. So, by
 # the rule, 8 seeds at AdamH's best pair in each arm (declared then):
 TUNE_ROWS += best8("story8-adamh-best", 3e-3, (("optimizer", "adamh"), ("adam_lr", 3e-2)))
+# MuonH's angle 3e-3 (next by the rule; declared before it ran) decides MuonH's best in each arm:
+# where 3e-3 loses to 1e-2, 1e-2 is that arm's best, bracketed (3e-2 lost already), and 8 seeds
+# run there (MuonH's other leaves at 3e-2, as in its sweep); where 3e-3 wins, 1e-3 comes next.
 HYPERBALL_ROWS += TUNE_ROWS
 # The switch, as a 2 x 3 with its control (declared before any of these ran; its events counted
 # from the fork step). Its source first, on one CPU model exactly (the forks are bitwise only
