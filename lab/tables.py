@@ -413,10 +413,17 @@ def tune_markdown(record: dict) -> str:
     mean of the last 1,000 steps' evals) as the seeds' mean (range), and how many seeds had a
     level shift where any did; Adam at its best LR (the LR sweep's rows, 3 seeds); each arm's
     best by the declared rule (the lowest mean held-out); then the 8-seed rows, mean [95%
-    interval]."""
+    interval], and their differences paired by seed (the rows share the evidence's seeds):
+    QK-Norm's under each optimizer, and each bounded row's from Adam with QK-Norm at its best."""
     def held(name):  # each member's held-out
         return [held_out(m["eval_step"], m["eval_loss"], m["steps"])
                 for m in record["groups"][name]["members"]]
+
+    def paired(a, b):  # a's held-out minus b's, seed by seed
+        seeds = [[m["seed"] for m in record["groups"][n]["members"]] for n in (a, b)]
+        assert seeds[0] == seeds[1], (a, b, seeds)
+        d = np.subtract(held(a), held(b))
+        return f"{np.mean(d):+.3f} [{bootstrap(d)[0]:+.3f}, {bootstrap(d)[1]:+.3f}]"
 
     def text(name, interval=False):
         ms, h = record["groups"][name]["members"], held(name)
@@ -427,7 +434,7 @@ def tune_markdown(record: dict) -> str:
 
     rows: dict[tuple, dict[bool, str]] = {}
     best: dict[tuple, tuple[float, str]] = {}
-    eight = []
+    eight: dict[str, dict[bool, str]] = {}  # an 8-seed row's optimizer -> its arms' groups
     for g in TUNE_ROWS:
         if g.name not in record["groups"]:
             continue
@@ -437,7 +444,8 @@ def tune_markdown(record: dict) -> str:
         if "optimizer" not in optim and len(g.seeds) <= 3:
             continue  # Adam's own LR sweep: its lines below
         if len(g.seeds) > 3:
-            eight.append(f"{what}{' with QK-Norm' * g.qk_norm} {text(g.name, interval=True)}")
+            what += f" / {optim['adam_lr']:g}" if "adam_lr" in optim else ""
+            eight.setdefault(what, {})[g.qk_norm] = g.name
             continue
         key = (optim["optimizer"], g.lrs[0], optim["adam_lr"])
         rows.setdefault(key, {})[g.qk_norm] = text(g.name)
@@ -461,10 +469,18 @@ def tune_markdown(record: dict) -> str:
     cpus = sorted({cpu_label(m) for m in machines.values() if m and "cpu_family" in m})
     unknown = [n for n, m in machines.items() if not (m and "cpu_family" in m)]
     cpus += [f"{', '.join(f'`{n}`' for n in unknown)}: CPU not recorded"] * bool(unknown)
+    adam = eight.get(f"adam {ADAM_BEST_LR:g}", {}).get(True)
+    said8 = [f"{what}{' QK-Norm' * qk} {text(name, interval=True)}"
+             for what, arms in eight.items() for qk, name in sorted(arms.items())]
+    said8 += [f"QK-Norm under {what} {paired(arms[True], arms[False])}"
+              for what, arms in eight.items() if len(arms) == 2]
+    said8 += [f"{what}{' QK-Norm' * qk} minus Adam QK-Norm {paired(name, adam)}"
+              for what, arms in eight.items() if adam and not what.startswith("adam ")
+              for qk, name in sorted(arms.items())]
     calm = all(not m["shift_steps"] for name in ran for m in record["groups"][name]["members"])
     return ("\n".join(lines) + "\n\n" + "No seed of these rows had a level shift. " * calm +
             f"Best (angle / Adam LR): {'; '.join(said) or 'none'}. 8 seeds: "
-            f"{'; '.join(eight) or 'not run yet'}. Ran on: {'; '.join(cpus) or 'none yet'}.")
+            f"{'; '.join(said8) or 'not run yet'}. Ran on: {'; '.join(cpus) or 'none yet'}.")
 
 
 def evidence_json(rows: list[dict]) -> list[dict]:

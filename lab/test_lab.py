@@ -1176,3 +1176,21 @@ def test_spread_refuses_a_deadline_that_is_no_number_of_seconds(deadline, capsys
     assert SP.main([row, "--deadline", deadline]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--deadline a number of seconds >= 0" in err, err
+
+
+def test_the_tuning_tables_8_seed_differences_are_paired_seed_by_seed():
+    """The 8-seed line's differences are each seed's held-out minus the same seed's (QK-Norm
+    under AdamH, AdamH from Adam with QK-Norm), so a seed-wide offset cancels: QK-Norm 0.1 lower
+    in every seed gives -0.100 with a zero-width interval, although the seeds' own spread is
+    0.7."""
+    def group(offset):
+        members = [{"seed": s, "eval_step": [4000], "eval_loss": [1.0 + s / 10 + offset],
+                    "steps": 4000, "shift_steps": []} for s in RW.EVIDENCE_SEEDS]
+        return {"members": members, "machine": {"cpu_family": 25, "cpu_model": 1,
+                                                "cpu_stepping": 1, "cpu": "AMD EPYC"}}
+    record = {"groups": {"story8-adamh-best": group(0.1), "story8-adamh-best-qk": group(0.0),
+                         "story8-adam-best-qk": group(-0.05)}}
+    line = TB.tune_markdown(record).splitlines()[-1]
+    assert "QK-Norm under adamh 0.003 / 0.03 -0.100 [-0.100, -0.100]" in line, line
+    assert "adamh 0.003 / 0.03 QK-Norm minus Adam QK-Norm +0.050 [+0.050, +0.050]" in line, line
+    assert "adamh 0.003 / 0.03 1.450 [" in line and "No seed of these rows" in line, line
