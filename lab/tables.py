@@ -414,7 +414,8 @@ def tune_markdown(record: dict) -> str:
     level shift where any did; Adam at its best LR (the LR sweep's rows, 3 seeds); each arm's
     best by the declared rule (the lowest mean held-out); then the 8-seed rows, mean [95%
     interval], and their differences paired by seed (the rows share the evidence's seeds):
-    QK-Norm's under each optimizer, and each bounded row's from Adam with QK-Norm at its best."""
+    QK-Norm's change under each optimizer, and each bounded row's from Adam with QK-Norm at its
+    best."""
     def held(name):  # each member's held-out
         return [held_out(m["eval_step"], m["eval_loss"], m["steps"])
                 for m in record["groups"][name]["members"]]
@@ -456,7 +457,14 @@ def tune_markdown(record: dict) -> str:
              "|---" * 4 + "|"]
     lines += [f"| {opt} {a:g} | {lr:g} | {arms.get(False, '')} | {arms.get(True, '')} |"
               for (opt, a, lr), arms in sorted(rows.items())]
-    said = [f"{a}{' QK-Norm' * qk}: {h:.3f}" for (_, qk), (h, a) in sorted(best.items())]
+    said = []  # each optimizer's best per arm, said once where both arms share it
+    for opt in dict.fromkeys(o for o, _ in sorted(best)):
+        arms = {qk: best[opt, qk] for qk in (False, True) if (opt, qk) in best}
+        if len({a for _, a in arms.values()}) == 1:
+            said.append(f"{next(iter(arms.values()))[1]}: " + ", ".join(
+                f"{'QK-Norm ' * qk}{h:.3f}" for qk, (h, _) in arms.items()))
+        else:
+            said += [f"{a}{' QK-Norm' * qk}: {h:.3f}" for qk, (h, a) in arms.items()]
     sweep = []  # Adam at its best LR and below it: the LR sweep's rows
     for lr in (3e-4, ADAM_BEST_LR):
         names = [f"story-lr{lr:g}{qk}" for qk in ("", "-qk")]
@@ -470,17 +478,20 @@ def tune_markdown(record: dict) -> str:
     unknown = [n for n, m in machines.items() if not (m and "cpu_family" in m)]
     cpus += [f"{', '.join(f'`{n}`' for n in unknown)}: CPU not recorded"] * bool(unknown)
     adam = eight.get(f"adam {ADAM_BEST_LR:g}", {}).get(True)
-    said8 = [f"{what}{' QK-Norm' * qk} {text(name, interval=True)}"
-             for what, arms in eight.items() for qk, name in sorted(arms.items())]
-    said8 += [f"QK-Norm under {what} {paired(arms[True], arms[False])}"
-              for what, arms in eight.items() if len(arms) == 2]
-    said8 += [f"{what}{' QK-Norm' * qk} minus Adam QK-Norm {paired(name, adam)}"
-              for what, arms in eight.items() if adam and not what.startswith("adam ")
-              for qk, name in sorted(arms.items())]
+    said8 = []
+    for what, arms in eight.items():
+        parts = [f"{what} " + ", ".join(f"{'QK-Norm ' * qk}{text(name, interval=True)}"
+                                        for qk, name in sorted(arms.items()))]
+        if len(arms) == 2:
+            parts.append(f"QK-Norm's change {paired(arms[True], arms[False])}")
+        if adam and not what.startswith("adam "):
+            parts.append("from Adam QK-Norm " + ", ".join(
+                f"{'QK-Norm ' * qk}{paired(name, adam)}" for qk, name in sorted(arms.items())))
+        said8.append("; ".join(parts))
     calm = all(not m["shift_steps"] for name in ran for m in record["groups"][name]["members"])
     return ("\n".join(lines) + "\n\n" + "No seed of these rows had a level shift. " * calm +
-            f"Best (angle / Adam LR): {'; '.join(said) or 'none'}. 8 seeds: "
-            f"{'; '.join(said8) or 'not run yet'}. Ran on: {'; '.join(cpus) or 'none yet'}.")
+            f"Best (angle / Adam LR): {'; '.join(said) or 'none'}. 8 seeds (differences paired by "
+            f"seed): {'; '.join(said8) or 'not run yet'}. Ran on: {'; '.join(cpus) or 'none yet'}.")
 
 
 def evidence_json(rows: list[dict]) -> list[dict]:

@@ -1191,6 +1191,6 @@ def test_the_tuning_tables_8_seed_differences_are_paired_seed_by_seed():
     record = {"groups": {"story8-adamh-best": group(0.1), "story8-adamh-best-qk": group(0.0),
                          "story8-adam-best-qk": group(-0.05)}}
     line = TB.tune_markdown(record).splitlines()[-1]
-    assert "QK-Norm under adamh 0.003 / 0.03 -0.100 [-0.100, -0.100]" in line, line
-    assert "adamh 0.003 / 0.03 QK-Norm minus Adam QK-Norm +0.050 [+0.050, +0.050]" in line, line
+    assert "QK-Norm's change -0.100 [-0.100, -0.100]" in line, line
+    assert "from Adam QK-Norm +0.150 [+0.150, +0.150], QK-Norm +0.050 [+0.050, +0.050]" in line, line
     assert "adamh 0.003 / 0.03 1.450 [" in line and "No seed of these rows" in line, line
