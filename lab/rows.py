@@ -522,6 +522,8 @@ TUNE_ROWS += best8("story8-adamh-best", 3e-3, (("optimizer", "adamh"), ("adam_lr
 # run there (MuonH's other leaves at 3e-2, as in its sweep); where 3e-3 wins, 1e-3 comes next.
 # Without QK-Norm 3e-3 gave 1.437 against 1.499 at 1e-2: the grid's edge, so 1e-3 (declared then):
 TUNE_ROWS += [tune_row("muonh", 1e-3, False, MUONH_ADAM_LR)]
+# With QK-Norm 3e-3 gave 1.451 against 1.511 at 1e-2: the edge too, so 1e-3 (declared then):
+TUNE_ROWS += [tune_row("muonh", 1e-3, True, MUONH_ADAM_LR)]
 HYPERBALL_ROWS += TUNE_ROWS
 # The switch, as a 2 x 3 with its control (declared before any of these ran; its events counted
 # from the fork step). Its source first, on one CPU model exactly (the forks are bitwise only
