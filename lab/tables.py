@@ -457,14 +457,11 @@ def tune_markdown(record: dict) -> str:
              "|---" * 4 + "|"]
     lines += [f"| {opt} {a:g} | {lr:g} | {arms.get(False, '')} | {arms.get(True, '')} |"
               for (opt, a, lr), arms in sorted(rows.items())]
-    said = []  # each optimizer's best per arm, said once where both arms share it
+    said = []  # each optimizer's best per arm (its figures are the table's), once if shared
     for opt in dict.fromkeys(o for o, _ in sorted(best)):
-        arms = {qk: best[opt, qk] for qk in (False, True) if (opt, qk) in best}
-        if len({a for _, a in arms.values()}) == 1:
-            said.append(f"{next(iter(arms.values()))[1]}: " + ", ".join(
-                f"{'QK-Norm ' * qk}{h:.3f}" for qk, (h, _) in arms.items()))
-        else:
-            said += [f"{a}{' QK-Norm' * qk}: {h:.3f}" for qk, (h, a) in arms.items()]
+        arms = {qk: best[opt, qk][1] for qk in (False, True) if (opt, qk) in best}
+        said.append(arms[False] if len(arms) == 2 and len(set(arms.values())) == 1 else ", ".join(
+            f"{a} ({'QK-Norm' if qk else 'no QK-Norm'})" for qk, a in arms.items()))
     sweep = []  # Adam at its best LR and below it: the LR sweep's rows
     for lr in (3e-4, ADAM_BEST_LR):
         names = [f"story-lr{lr:g}{qk}" for qk in ("", "-qk")]
@@ -490,7 +487,7 @@ def tune_markdown(record: dict) -> str:
         said8.append("; ".join(parts))
     calm = all(not m["shift_steps"] for name in ran for m in record["groups"][name]["members"])
     return ("\n".join(lines) + "\n\n" + "No seed of these rows had a level shift. " * calm +
-            f"Best (angle / Adam LR): {'; '.join(said) or 'none'}. 8 seeds (differences paired by "
+            f"Best (angle / Adam LR), both arms unless named: {'; '.join(said) or 'none'}. 8 seeds (differences paired by "
             f"seed): {'; '.join(said8) or 'not run yet'}. Ran on: {'; '.join(cpus) or 'none yet'}.")
 
 

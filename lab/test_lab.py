@@ -1182,15 +1182,20 @@ def test_the_tuning_tables_8_seed_differences_are_paired_seed_by_seed():
     """The 8-seed line's differences are each seed's held-out minus the same seed's (QK-Norm
     under AdamH, AdamH from Adam with QK-Norm), so a seed-wide offset cancels: QK-Norm 0.1 lower
     in every seed gives -0.100 with a zero-width interval, although the seeds' own spread is
-    0.7."""
-    def group(offset):
+    0.7. The 3-seed bests are named once, each with its arm where the arms' bests differ."""
+    def group(offset, seeds=RW.EVIDENCE_SEEDS):
         members = [{"seed": s, "eval_step": [4000], "eval_loss": [1.0 + s / 10 + offset],
-                    "steps": 4000, "shift_steps": []} for s in RW.EVIDENCE_SEEDS]
+                    "steps": 4000, "shift_steps": []} for s in seeds]
         return {"members": members, "machine": {"cpu_family": 25, "cpu_model": 1,
                                                 "cpu_stepping": 1, "cpu": "AMD EPYC"}}
     record = {"groups": {"story8-adamh-best": group(0.1), "story8-adamh-best-qk": group(0.0),
                          "story8-adam-best-qk": group(-0.05)}}
+    # 3-seed rows whose best angle differs by arm: each arm's best is named with its arm
+    for name, offset in (("a0.01", 0.1), ("a0.003", 0.2), ("qk-a0.01", 0.1), ("qk-a0.003", 0.0)):
+        record["groups"][f"d64-adamh-{name}"] = group(offset, seeds=(0, 1, 2))
     line = TB.tune_markdown(record).splitlines()[-1]
     assert "QK-Norm's change -0.100 [-0.100, -0.100]" in line, line
     assert "from Adam QK-Norm +0.150 [+0.150, +0.150], QK-Norm +0.050 [+0.050, +0.050]" in line, line
     assert "adamh 0.003 / 0.03 1.450 [" in line and "No seed of these rows" in line, line
+    assert ("both arms unless named: adamh 0.01 / 0.001 (no QK-Norm), adamh 0.003 / 0.001 "
+            "(QK-Norm).") in line, line
