@@ -480,15 +480,15 @@ def tune_markdown(record: dict) -> str:
         parts = [f"{what} " + ", ".join(f"{'QK-Norm ' * qk}{text(name, interval=True)}"
                                         for qk, name in sorted(arms.items()))]
         if len(arms) == 2:
-            parts.append(f"QK-Norm's change {paired(arms[True], arms[False])}")
+            parts.append(f"QK-Norm adds {paired(arms[True], arms[False])}")
         if adam and not what.startswith("adam "):
             parts.append("from Adam QK-Norm " + ", ".join(
                 f"{'QK-Norm ' * qk}{paired(name, adam)}" for qk, name in sorted(arms.items())))
         said8.append("; ".join(parts))
     calm = all(not m["shift_steps"] for name in ran for m in record["groups"][name]["members"])
     return ("\n".join(lines) + "\n\n" + "No seed of these rows had a level shift. " * calm +
-            f"Best (angle / Adam LR), both arms unless named: {'; '.join(said) or 'none'}. 8 seeds (differences paired by "
-            f"seed): {'; '.join(said8) or 'not run yet'}. Ran on: {'; '.join(cpus) or 'none yet'}.")
+            f"Best (angle / Adam LR), both arms unless named: {'; '.join(said) or 'none'}. 8 seeds (differences paired): "
+            f"{'; '.join(said8) or 'not run yet'}. Ran on: {'; '.join(cpus) or 'none yet'}.")
 
 
 def evidence_json(rows: list[dict]) -> list[dict]:

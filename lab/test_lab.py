@@ -1194,7 +1194,7 @@ def test_the_tuning_tables_8_seed_differences_are_paired_seed_by_seed():
     for name, offset in (("a0.01", 0.1), ("a0.003", 0.2), ("qk-a0.01", 0.1), ("qk-a0.003", 0.0)):
         record["groups"][f"d64-adamh-{name}"] = group(offset, seeds=(0, 1, 2))
     line = TB.tune_markdown(record).splitlines()[-1]
-    assert "QK-Norm's change -0.100 [-0.100, -0.100]" in line, line
+    assert "QK-Norm adds -0.100 [-0.100, -0.100]" in line, line
     assert "from Adam QK-Norm +0.150 [+0.150, +0.150], QK-Norm +0.050 [+0.050, +0.050]" in line, line
     assert "adamh 0.003 / 0.03 1.450 [" in line and "No seed of these rows" in line, line
     assert ("both arms unless named: adamh 0.01 / 0.001 (no QK-Norm), adamh 0.003 / 0.001 "
