@@ -487,8 +487,9 @@ def tune_markdown(record: dict) -> str:
         said8.append("; ".join(parts))
     calm = all(not m["shift_steps"] for name in ran for m in record["groups"][name]["members"])
     return ("\n".join(lines) + "\n\n" + "No seed of these rows had a level shift. " * calm +
-            f"Best (angle / Adam LR), both arms unless named: {'; '.join(said) or 'none'}. 8 seeds (differences paired): "
-            f"{'; '.join(said8) or 'not run yet'}. Ran on: {'; '.join(cpus) or 'none yet'}.")
+            f"Best (angle / Adam LR), both arms unless named: {'; '.join(said) or 'none'}. "
+            f"8 seeds (differences paired): {'; '.join(said8) or 'not run yet'}. "
+            f"Ran on: {'; '.join(cpus) or 'none yet'}.")
 
 
 def evidence_json(rows: list[dict]) -> list[dict]:

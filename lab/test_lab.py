@@ -1195,7 +1195,8 @@ def test_the_tuning_tables_8_seed_differences_are_paired_seed_by_seed():
         record["groups"][f"d64-adamh-{name}"] = group(offset, seeds=(0, 1, 2))
     line = TB.tune_markdown(record).splitlines()[-1]
     assert "QK-Norm adds -0.100 [-0.100, -0.100]" in line, line
-    assert "from Adam QK-Norm +0.150 [+0.150, +0.150], QK-Norm +0.050 [+0.050, +0.050]" in line, line
+    assert ("from Adam QK-Norm +0.150 [+0.150, +0.150], QK-Norm +0.050 [+0.050, +0.050]"
+            in line), line
     assert "adamh 0.003 / 0.03 1.450 [" in line and "No seed of these rows" in line, line
     assert ("both arms unless named: adamh 0.01 / 0.001 (no QK-Norm), adamh 0.003 / 0.001 "
             "(QK-Norm).") in line, line
