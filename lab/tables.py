@@ -424,7 +424,8 @@ def tune_markdown(record: dict) -> str:
         seeds = [[m["seed"] for m in record["groups"][n]["members"]] for n in (a, b)]
         assert seeds[0] == seeds[1], (a, b, seeds)
         d = np.subtract(held(a), held(b))
-        return f"{np.mean(d):+.3f} [{bootstrap(d)[0]:+.3f}, {bootstrap(d)[1]:+.3f}]"
+        lo, hi = bootstrap(d)
+        return f"{np.mean(d):+.3f} [{lo:+.3f}, {hi:+.3f}]"
 
     def text(name, interval=False):
         ms, h = record["groups"][name]["members"], held(name)
